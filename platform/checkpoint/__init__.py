@@ -1,0 +1,1 @@
+"""Never losing work, never blocking long: two-stage asynchronous checkpoints."""

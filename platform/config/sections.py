@@ -1,0 +1,216 @@
+"""Per-component configuration models.
+
+Each section is a small pydantic model that validates its own fields; checks that span
+sections (world size against the cluster, sequence length against the token budget) live
+in `longrun.config.job`. Every model forbids unknown keys so a typo is an error, not a
+silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+_JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class JobSection(Section):
+    name: str = Field(description="Lowercase letters, digits and '-' (used in keys, paths, labels).")
+    seed: NonNegativeInt = Field(0, description="Seed for weights, data order and dropout.")
+    output_dir: str = Field("runs", description="Directory under which runs/<name>/ is created.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_like(cls, v: str) -> str:
+        if not _JOB_NAME.match(v):
+            raise ValueError(
+                f"{v!r} is not a valid job name; use 1-63 lowercase letters, digits and '-', "
+                "starting and ending with a letter or digit (e.g. 'llama-1b-pretrain')"
+            )
+        return v
+
+
+class ClusterSection(Section):
+    address: str | None = Field(
+        None, description="Ray cluster address (ray://host:10001 or auto); null starts a local Ray."
+    )
+    redis_url: str | None = Field(
+        None, description="redis:// or rediss:// URL for rendezvous and job state; null embeds one."
+    )
+    nodes: PositiveInt = Field(1, description="Number of nodes the job spans.")
+    workers_per_node: PositiveInt = Field(1, description="Workers per node: one per accelerator.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when present.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.workers_per_node
+
+
+class ParallelismSection(Section):
+    dp: PositiveInt = Field(1, description="Data-parallel degree (outermost).")
+    tp: PositiveInt = Field(1, description="Tensor-parallel degree (kept inside a node).")
+    cp: PositiveInt = Field(1, description="Context-parallel degree (static upper bound).")
+    pp: PositiveInt = Field(1, description="Pipeline-parallel degree.")
+    cp_impl: Literal["ring", "ulysses", "usp"] = "ring"
+    dynamic_cp: bool = Field(False, description="Choose the CP size per micro-batch with the solver.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+
+class ModelSection(Section):
+    vocab_size: PositiveInt = Field(260, description="256 byte values + the byte tokenizer's special tokens.")
+    dim: PositiveInt = 128
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+    n_kv_heads: PositiveInt | None = Field(None, description="Grouped-query attention; null = n_heads.")
+    ffn_dim: PositiveInt | None = Field(None, description="SwiGLU hidden size; null = 8/3 dim rounded to 64.")
+    max_seq_len: PositiveInt = 256
+    rope_theta: PositiveFloat = 10000.0
+    norm_eps: PositiveFloat = 1e-5
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelSection:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head dimension dim/n_heads = {self.dim // self.n_heads} must be even for rotary "
+                "embeddings; change dim or n_heads"
+            )
+        kv = self.kv_heads
+        if kv > self.n_heads or self.n_heads % kv:
+            raise ValueError(f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return 64 * -(-(8 * self.dim // 3) // 64)
+
+
+class LengthDistribution(Section):
+    """Lognormal document lengths, clipped to [min_len, max_len] (Dynamic-CP's benchmark shape)."""
+
+    min_len: PositiveInt = 128
+    max_len: PositiveInt = 8192
+    mean: PositiveFloat = 1024.0
+    sigma: PositiveFloat = 1.5
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthDistribution:
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+        if not self.min_len <= self.mean <= self.max_len:
+            raise ValueError(f"mean ({self.mean}) must lie within [min_len, max_len]")
+        return self
+
+
+class DataSection(Section):
+    source: Literal["text", "synthetic"] = "text"
+    path: str | None = Field(
+        "stdlib",
+        description="text: a directory of files, a .jsonl file with a 'text' field, or 'stdlib' "
+        "(the running Python's standard library sources: a real code corpus on any machine).",
+    )
+    include: list[str] = Field(["*.py"], description="Glob patterns for files inside a directory.")
+    synthetic: LengthDistribution = Field(default_factory=LengthDistribution)
+    micro_batch_tokens: PositiveInt = Field(2048, description="Token budget of one micro-batch per rank.")
+    prefetch: NonNegativeInt = Field(4, description="Micro-batches prepared ahead by a background thread.")
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> DataSection:
+        if self.source == "text" and not self.path:
+            raise ValueError("source 'text' needs data.path (a directory, a .jsonl file, or 'stdlib')")
+        return self
+
+
+class TrainingSection(Section):
+    steps: PositiveInt = 100
+    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    lr: PositiveFloat = 3e-4
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    warmup_steps: NonNegativeInt = 10
+    weight_decay: NonNegativeFloat = 0.1
+    betas: tuple[Annotated[float, Field(gt=0, lt=1)], Annotated[float, Field(gt=0, lt=1)]] = (0.9, 0.95)
+    grad_clip: NonNegativeFloat = Field(1.0, description="Max global grad norm; 0 disables clipping.")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    log_every: PositiveInt = 1
+
+
+class CheckpointSection(Section):
+    dir: str | None = Field(None, description="fsspec URL; null = <output_dir>/<job>/checkpoints.")
+    interval_steps: PositiveInt = 50
+    keep_last: PositiveInt = Field(3, description="Committed checkpoints kept (the newest is never deleted).")
+    async_save: bool = True
+
+
+FaultKind = Literal["kill", "hang", "raise", "nan", "slow"]
+
+
+class FaultSpec(Section):
+    """One injected fault: on `rank`, when it reaches `step`, do `kind` (off unless listed)."""
+
+    rank: NonNegativeInt
+    step: NonNegativeInt
+    kind: FaultKind
+    seconds: NonNegativeFloat = Field(0.0, description="Duration for 'slow' (extra time per step).")
+    attempt: NonNegativeInt = Field(0, description="Only in this attempt, so a restart does not re-fire it.")
+
+
+class HealthSection(Section):
+    heartbeat_interval_s: PositiveFloat = 1.0
+    heartbeat_timeout_s: PositiveFloat = 5.0
+    hang_timeout_s: PositiveFloat = Field(120.0, description="No step progress for this long is a hang.")
+    straggler_factor: Annotated[float, Field(gt=1)] = Field(1.5, description="Step time x median.")
+    loss_spike_factor: Annotated[float, Field(gt=1)] = 10.0
+    faults: list[FaultSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> HealthSection:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}); at least 3x the interval is usual"
+            )
+        return self
+
+
+class RecoverySection(Section):
+    max_restarts: NonNegativeInt = 10
+    restart_backoff_s: NonNegativeFloat = 1.0
+    evict_on_failed_diagnostics: bool = True
+    diagnostics: list[Literal["compute", "memory", "collective", "store"]] = Field(
+        default_factory=lambda: ["compute", "memory", "collective", "store"]
+    )
+
+
+class ObservabilitySection(Section):
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(0, description="0 picks a free port.")
+    metrics_host: str = "127.0.0.1"
+    grafana_url: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"

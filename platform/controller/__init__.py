@@ -1,0 +1,1 @@
+"""The job driver: a state machine that places workers, watches them and recovers."""

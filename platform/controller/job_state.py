@@ -1,0 +1,72 @@
+"""The job record in Redis: state, attempt, progress and an event log.
+
+It lives under the job's prefix (not an attempt's) so it survives restarts, and it is what
+`longrun status` reads. Writes are single round trips (a pipeline per update).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from longrun import keys
+from longrun.controller.state import JobState, Transition
+
+MAX_EVENTS = 1000  # a week-long job restarts hundreds of times; keep the log bounded
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job: str
+    state: JobState
+    attempt: int
+    step: int
+    updated_at: float
+    fields: dict[str, str]
+
+
+class JobRecordStore:
+    def __init__(self, client: redis.Redis, job: str):
+        self.client = client
+        self.job = job
+        self.record_key = keys.job_record_key(job)
+        self.events_key = keys.job_events_key(job)
+
+    def record_transition(self, move: Transition, attempt: int) -> None:
+        event = {"type": "transition", "from": move.source, "to": move.target,
+                 "reason": move.reason, "attempt": attempt, "at": move.at}
+        with self.client.pipeline() as pipe:
+            pipe.hset(self.record_key, mapping={
+                "state": str(move.target), "attempt": attempt, "updated_at": move.at,
+                "reason": move.reason,
+            })
+            pipe.rpush(self.events_key, json.dumps(event))
+            pipe.ltrim(self.events_key, -MAX_EVENTS, -1)
+            pipe.execute()
+
+    def update(self, **fields: Any) -> None:
+        """Progress fields (step, loss, ...), stored as strings next to the state."""
+        mapping = {k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}
+        mapping["updated_at"] = json.dumps(time.time())
+        self.client.hset(self.record_key, mapping=mapping)
+
+    def read(self) -> JobRecord | None:
+        raw = self.client.hgetall(self.record_key)
+        if not raw:
+            return None
+        data = {k.decode(): v.decode() for k, v in raw.items()}
+        return JobRecord(
+            job=self.job,
+            state=JobState(data.get("state", JobState.PENDING)),
+            attempt=int(data.get("attempt", 0)),
+            step=int(float(data.get("step", 0))),
+            updated_at=float(data.get("updated_at", 0.0)),
+            fields=data,
+        )
+
+    def events(self, last: int = 50) -> list[dict]:
+        return [json.loads(item) for item in self.client.lrange(self.events_key, -last, -1)]

@@ -1,0 +1,78 @@
+"""The job's life as an explicit state machine (as in Ray Train v2's controller).
+
+The controller asks `JobStateMachine.transition()` to move; a move the diagram does not
+allow is a bug in the controller, raised at once rather than recorded as a confusing
+history. Pure: no I/O; the caller persists `history` (see `job_state.py`).
+
+    PENDING -> PLACING -> DIAGNOSING -> RENDEZVOUS -> RUNNING -> SUCCEEDED
+                  ^                                    |
+                  +------------- RECOVERING <----------+   (a fault, within the budget)
+    any live state -> FAILED (budget spent, unrecoverable) | STOPPED (user asked)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class JobState(enum.StrEnum):
+    PENDING = "PENDING"
+    PLACING = "PLACING"
+    DIAGNOSING = "DIAGNOSING"
+    RENDEZVOUS = "RENDEZVOUS"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+
+_NEXT: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.PLACING}),
+    JobState.PLACING: frozenset({JobState.DIAGNOSING, JobState.RENDEZVOUS, JobState.RECOVERING}),
+    JobState.DIAGNOSING: frozenset({JobState.RENDEZVOUS, JobState.RECOVERING}),
+    JobState.RENDEZVOUS: frozenset({JobState.RUNNING, JobState.RECOVERING}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.RECOVERING}),
+    JobState.RECOVERING: frozenset({JobState.PLACING}),
+}
+# Failing and stopping are possible from every live state.
+for _state in list(_NEXT):
+    _NEXT[_state] = _NEXT[_state] | {JobState.FAILED, JobState.STOPPED}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Transition:
+    source: JobState
+    target: JobState
+    reason: str
+    at: float
+
+
+@dataclass
+class JobStateMachine:
+    state: JobState = JobState.PENDING
+    history: list[Transition] = field(default_factory=list)
+
+    def can(self, target: JobState) -> bool:
+        return target in _NEXT.get(self.state, frozenset())
+
+    def transition(self, target: JobState, reason: str = "", at: float | None = None) -> Transition:
+        if not self.can(target):
+            allowed = ", ".join(sorted(_NEXT.get(self.state, ()))) or "nothing (terminal)"
+            raise InvalidTransition(f"{self.state} -> {target} is not allowed; from {self.state}: {allowed}")
+        move = Transition(self.state, target, reason, time.time() if at is None else at)
+        self.history.append(move)
+        self.state = target
+        return move

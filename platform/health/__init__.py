@@ -1,0 +1,1 @@
+"""Knowing something is wrong, and what: heartbeats, monitors, diagnostics, policy, faults."""

@@ -1,0 +1,85 @@
+"""Worker heartbeats: a small thread that publishes the worker's latest progress to Redis.
+
+The training loop only updates an in-memory snapshot (no I/O on the step's critical path);
+the thread publishes it every `interval_s` with an expiry of `timeout_s`, so a worker that
+dies or freezes stops refreshing its key and the key vanishes on its own: a missing key is
+a dead or hung process, an unchanging `step` with a fresh key is a hang inside training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from longrun import keys
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    step: int = 0
+    phase: str = "starting"
+    loss: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    sent_at: float = 0.0
+
+
+class HeartbeatPublisher:
+    def __init__(self, client: redis.Redis, job: str, attempt: int, rank: int,
+                 interval_s: float, timeout_s: float):
+        self.client = client
+        self.key = keys.heartbeat_key(job, attempt, rank)
+        self.interval_s = interval_s
+        self.timeout_ms = int(timeout_s * 1000)
+        self._beat = Heartbeat(rank=rank)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+        self.errors = 0
+
+    def start(self) -> HeartbeatPublisher:
+        self.publish_now()  # the controller sees the worker before the first interval ends
+        self._thread.start()
+        return self
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            for name, value in fields.items():
+                setattr(self._beat, name, value)
+
+    def publish_now(self) -> None:
+        with self._lock:
+            self._beat.sent_at = time.time()
+            payload = json.dumps(asdict(self._beat))
+        self.client.set(self.key, payload, px=self.timeout_ms)
+
+    def stop(self, final_phase: str | None = None) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if final_phase is not None:
+            self.update(phase=final_phase)
+            self.publish_now()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.publish_now()
+            except (redis.RedisError, OSError):
+                # A Redis blip must not kill training; the controller notices a stale key.
+                self.errors += 1
+
+
+def read_heartbeats(client: redis.Redis, job: str, attempt: int, ranks: range) -> dict[int, Heartbeat | None]:
+    """The latest heartbeat of each rank (None where the key expired or never existed)."""
+    raw = client.mget([keys.heartbeat_key(job, attempt, r) for r in ranks])
+    return {r: Heartbeat(**json.loads(v)) if v else None for r, v in zip(ranks, raw, strict=True)}

@@ -1,0 +1,1 @@
+"""Prometheus metrics from controller and workers; Grafana dashboards."""

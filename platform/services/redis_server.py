@@ -1,0 +1,150 @@
+"""An embedded `redis-server` on loopback, for `longrun run` and for tests.
+
+Password-protected (generated per start), bound to 127.0.0.1 on a free port, with no
+persistence unless asked for: the rendezvous and heartbeat data it holds are per-attempt and
+the job record is rebuilt from the checkpoint directory when a server is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+
+from longrun.services.ports import free_port
+from longrun.services.process import ManagedProcess, ServiceError
+
+INSTALL_HINT = "install it with: apt-get update && apt-get install -y redis-server (or run scripts/bootstrap)"
+
+
+def find_redis_server() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise ServiceError(f"redis-server was not found on PATH; {INSTALL_HINT}")
+    return path
+
+
+class EmbeddedRedis:
+    """`with EmbeddedRedis() as server: redis.Redis.from_url(server.url)`."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        password: str | None = None,
+        persist_dir: str | Path | None = None,
+        start_timeout_s: float = 15.0,
+    ):
+        self.host = host
+        self.requested_port = port
+        self.password = password or secrets.token_urlsafe(24)
+        self.persist_dir = Path(persist_dir) if persist_dir else None
+        self.start_timeout_s = start_timeout_s
+        self.port: int | None = None
+        self.process: ManagedProcess | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise ServiceError("the embedded Redis is not running; call start() first")
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def start(self) -> EmbeddedRedis:
+        binary = find_redis_server()
+        self._workdir = tempfile.TemporaryDirectory(prefix="longrun-redis-")
+        workdir = Path(self._workdir.name)
+        # A clash on a port picked a moment ago is possible; pick again, a few times.
+        attempts = 1 if self.requested_port else 3
+        last_error = ""
+        for _ in range(attempts):
+            self.port = self.requested_port or free_port(self.host)
+            conf = workdir / "redis.conf"
+            conf.write_text(self._config_text(workdir))
+            conf.chmod(0o600)  # the password lives here, not on a command line ps can read
+            self.process = ManagedProcess("redis-server", [binary, str(conf)], workdir / "redis.log")
+            try:
+                self._wait_ready()
+                return self
+            except ServiceError as exc:
+                last_error = str(exc)
+                self.process.stop(grace_s=1.0)
+        self.port = None
+        raise ServiceError(last_error)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            if self.process.alive():
+                # Already going away is fine: process.stop() below makes sure.
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self.client(socket_timeout=2).shutdown(nosave=self.persist_dir is None)
+            self.process.stop()
+            self.process = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+        self.port = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _config_text(self, workdir: Path) -> str:
+        data_dir = self.persist_dir or workdir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        persistence = (
+            'appendonly yes\nappendfsync everysec\nsave ""\n'
+            if self.persist_dir
+            else 'appendonly no\nsave ""\n'
+        )
+        return (
+            f"bind {self.host}\n"
+            f"port {self.port}\n"
+            "protected-mode yes\n"
+            f"requirepass {self.password}\n"
+            "daemonize no\n"
+            "loglevel notice\n"
+            f"dir {data_dir}\n"
+            f"{persistence}"
+            # Keyspace notifications let rendezvous waiters block on a key's creation.
+            "notify-keyspace-events KA\n"
+        )
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        delay = 0.005
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1)
+        try:
+            while True:
+                if not self.process.alive():
+                    raise ServiceError(
+                        f"redis-server exited with code {self.process.proc.returncode} during "
+                        f"start-up:\n{self.process.log_tail()}"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"redis-server did not answer on {self.host}:{self.port} within "
+                        f"{self.start_timeout_s:.0f} s:\n{self.process.log_tail()}"
+                    )
+                time.sleep(delay)  # polling a server that is starting; no event to wait on
+                delay = min(delay * 2, 0.2)
+        finally:
+            client.close()

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from longrun.services import EmbeddedRedis
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis_server.client()
+    client.flushdb()
+    yield client
+    client.close()
