@@ -104,6 +104,14 @@ def cmd_doctor(args) -> int:
 
 def cmd_run(args) -> int:
     cfg = _load(args)
+    from longrun.services.ray_head import LOOPBACK_ENV
+
+    if cfg.cluster.address is None:
+        # Ray reads these when it is first imported, so before anything imports it.
+        os.environ.update(LOOPBACK_ENV)
+    from longrun.controller.driver import check_supported
+
+    check_supported(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -114,7 +122,6 @@ def cmd_run(args) -> int:
 
     from longrun.controller.driver import run_job
     from longrun.services import EmbeddedRay, EmbeddedRedis
-    from longrun.services.ray_head import LOOPBACK_ENV
 
     with ExitStack() as stack:
         redis_url = cfg.cluster.redis_url
@@ -127,7 +134,6 @@ def cmd_run(args) -> int:
         if address is None:
             with console.status("starting an embedded Ray head on 127.0.0.1 (takes ~10 s)"):
                 head = stack.enter_context(EmbeddedRay())
-            os.environ.update(LOOPBACK_ENV)
             address = head.address
             console.print(f"ray: embedded head at {address}, dashboard {head.dashboard_url}")
         ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=True)

@@ -36,17 +36,21 @@ def worker_resources(cfg: JobConfig) -> dict[str, Any]:
     return {"num_cpus": 1}
 
 
+def check_supported(cfg: JobConfig) -> None:
+    if cfg.world_size != 1:
+        raise UnsupportedJob(
+            f"this version of longrun runs single-worker jobs; the config asks for {cfg.world_size} "
+            "workers (cluster.nodes x cluster.workers_per_node). Set both to 1."
+        )
+
+
 def run_job(cfg: JobConfig, redis_url: str, *, attempt: int = 0, poll_s: float = 1.0,
             on_state: Callable[[JobState, str], None] | None = None) -> dict[str, Any]:
     """Run the job on the connected Ray cluster; returns the worker's summary.
 
     Raises JobFailed when the worker fails, with the worker's error as the cause.
     """
-    if cfg.world_size != 1:
-        raise UnsupportedJob(
-            f"this version of longrun runs single-worker jobs; the config asks for {cfg.world_size} "
-            "workers (cluster.nodes x cluster.workers_per_node). Set both to 1."
-        )
+    check_supported(cfg)
     client = redis.Redis.from_url(redis_url)
     record = JobRecordStore(client, cfg.job.name)
     machine = JobStateMachine()

@@ -1,0 +1,317 @@
+"""The training step loop (single process for now): data -> forward/backward -> clip -> step.
+
+    python -c "from longrun.config import config_from_dict; from longrun.trainer import Trainer;
+               Trainer(config_from_dict({'job': {'name': 'demo'}})).train()"
+
+One optimizer step runs `training.grad_accum` micro-batches. The loss is normalised per token:
+each micro-batch's summed token losses are divided by the number of loss tokens in the *whole
+step*, so the gradient is that of the step's mean token loss however the tokens happen to be
+split into micro-batches (packing makes micro-batch sizes vary).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from longrun.config import JobConfig
+from longrun.config.sections import TrainingSection
+from longrun.trainer.data import DocumentSampler, build_corpus
+from longrun.trainer.model import Transformer
+from longrun.trainer.packing import (
+    IGNORE_INDEX,
+    MicroBatch,
+    Prefetcher,
+    packed_micro_batches,
+)
+from longrun.trainer.schedule import build_scheduler
+from longrun.trainer.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss of `step` (1-based) was NaN or infinite; the weights were not updated."""
+
+    def __init__(self, step: int, loss: float):
+        self.step, self.loss = step, loss
+        super().__init__(
+            f"loss is {loss} at step {step}: training diverged or the weights or data hold "
+            "NaN/inf; resume from an earlier checkpoint, lower training.lr or check the data"
+        )
+
+
+@dataclass
+class StepMetrics:
+    step: int  # 1-based count of optimizer steps done
+    loss: float  # mean token loss of the step
+    grad_norm: float  # global norm before clipping
+    lr: float  # learning rate this step used
+    tokens: int  # input tokens in the step
+    tokens_per_s: float
+    step_time_s: float  # data wait included
+    data_wait_s: float  # time blocked on the data pipeline
+    mfu: float | None  # model FLOPs utilisation; None without a peak FLOPs figure
+    memory_bytes: int  # peak CUDA memory allocated this step, or the process's peak RSS on CPU
+
+
+def _hms(seconds: float) -> str:
+    return str(timedelta(seconds=round(max(seconds, 0.0))))
+
+
+class ProgressPrinter:
+    """One line per `every` steps (and the last), like torchtitan's:
+    step 12/100  loss 4.1234  grad_norm 1.23  lr 3.0e-04  tok/s 12,345  elapsed 0:00:05  eta 0:00:30
+    The eta extrapolates the mean step time of the steps this printer has seen."""
+
+    def __init__(self, total_steps: int, every: int = 1,
+                 write: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.total_steps, self.every, self.clock = total_steps, every, clock
+        self.write = write or (lambda line: print(line, file=sys.stdout, flush=True))
+        self._start: float | None = None
+        self._first_step = 0
+
+    def __call__(self, m: StepMetrics) -> None:
+        now = self.clock()
+        if self._start is None:  # count from the start of the first step seen
+            self._start, self._first_step = now - m.step_time_s, m.step - 1
+        if m.step % self.every == 0 or m.step >= self.total_steps:
+            self.write(self.format(m, now - self._start))
+
+    def format(self, m: StepMetrics, elapsed_s: float) -> str:
+        done = max(m.step - self._first_step, 1)
+        eta = elapsed_s / done * max(self.total_steps - m.step, 0)
+        parts = [
+            f"step {m.step}/{self.total_steps}", f"loss {m.loss:.4f}",
+            f"grad_norm {m.grad_norm:.2f}", f"lr {m.lr:.1e}", f"tok/s {m.tokens_per_s:,.0f}",
+        ]
+        if m.mfu is not None:
+            parts.append(f"mfu {100 * m.mfu:.1f}%")
+        parts.append(f"mem {m.memory_bytes / 2**30:.2f}GiB")
+        parts += [f"elapsed {_hms(elapsed_s)}", f"eta {_hms(eta)}"]
+        return "  ".join(parts)
+
+
+def resolve_device(setting: str, device: torch.device | str | None = None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("cluster.device is 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
+    return torch.device(setting)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # CUDA generators too
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_optimizer(model: torch.nn.Module, training: TrainingSection,
+                    device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay only on matrices (linear weights, embeddings), never on norm gains.
+    The fused kernel where torch has one for the device, else the multi-tensor one."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": training.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=training.lr, betas=training.betas,
+                             fused=fused, foreach=None if fused else True)
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Model, optimizer, LR schedule and data for one rank; `train()` runs the steps.
+
+    Determinism: the model is initialised from torch's RNG seeded with job.seed; the data
+    order comes from the sampler's own generator (same seed, separate stream), so changing
+    the model does not change the data order and vice versa. `state_dict()` holds all that a
+    bitwise-exact resume needs."""
+
+    def __init__(self, cfg: JobConfig, device: torch.device | str | None = None, *,
+                 dp_rank: int = 0, dp_size: int = 1, peak_flops: float | None = None,
+                 progress: bool = True):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.cluster.device, device)
+        self.peak_flops = peak_flops
+        seed_everything(cfg.job.seed)
+        # Initialised on the CPU, then moved: the same weights whatever the device.
+        self.model = Transformer(cfg.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.training, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.training)
+        self.tokenizer = ByteTokenizer(cfg.model.vocab_size)
+        self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
+        self.sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed,
+                                       dp_rank=dp_rank, dp_size=dp_size)
+        self.step = 0
+        # Sampler position after the last micro-batch consumed by a *completed* step.
+        self._data_state = self.sampler.state_dict()
+        self._prefetcher: Prefetcher[MicroBatch] | None = None
+        self.printer = (ProgressPrinter(cfg.training.steps, cfg.training.log_every)
+                        if progress else None)
+        log.info("model: %s parameters (%s without the embedding), %d documents in the corpus",
+                 f"{self.model.num_params():,}",
+                 f"{self.model.num_params(exclude_embedding=True):,}", len(self.corpus))
+
+    # -- data --------------------------------------------------------------------------------
+    def _data(self) -> Prefetcher[MicroBatch]:
+        if self._prefetcher is None:
+            self.sampler.load_state_dict(self._data_state)
+            source = packed_micro_batches(self.corpus, self.sampler,
+                                          self.cfg.data.micro_batch_tokens)
+            self._prefetcher = Prefetcher(source, self.cfg.data.prefetch)
+        return self._prefetcher
+
+    def close(self) -> None:
+        """Stop the data thread. The sampler may then be repositioned; training may go on."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one step ----------------------------------------------------------------------------
+    def forward_backward(self, batches: list[MicroBatch]) -> tuple[float, float]:
+        """Accumulate into .grad the gradient of the mean token loss over all `batches`;
+        return that loss and the step's training FLOPs (model FLOPs, for MFU)."""
+        # With data parallelism this count is all-reduced, so every rank divides by the same.
+        loss_tokens = max(sum(mb.n_tokens for mb in batches), 1)
+        loss_sum = torch.zeros((), device=self.device)
+        flops = 0.0
+        for mb in batches:
+            lens = mb.seq_lens.astype(np.float64)
+            # sum(l^2)/sum(l) makes the PaLM attention term exact for packed documents.
+            flops += self.model.flops_per_token((lens**2).sum() / lens.sum()) * len(mb.tokens)
+            mb = mb.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                enabled=self.cfg.training.dtype == "bfloat16"):
+                logits = self.model(mb.tokens, mb.positions, mb.cu_seqlens)
+            loss = F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            (loss / loss_tokens).backward()
+            loss_sum += loss.detach()
+        return (loss_sum / loss_tokens).item(), flops
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm (before clipping); clipped to training.grad_clip unless 0."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.training.grad_clip
+        if clip > 0:
+            return torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    def train_step(self) -> StepMetrics:
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        data, wait = self._data(), 0.0
+        batches = []
+        for _ in range(self.cfg.training.grad_accum):
+            batches.append(next(data))
+            wait += data.last_wait_s
+        lr = self.scheduler.get_last_lr()[0]
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_value, flops = self.forward_backward(batches)
+            if not math.isfinite(loss_value):
+                raise NonFiniteLossError(self.step + 1, loss_value)
+            grad_norm = self._clip_gradients()
+        except BaseException:
+            # The step did not happen: rewind the data to the last completed step, so that
+            # state_dict() and a retry in this process agree with the weights.
+            self.close()
+            raise
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self._data_state = batches[-1].sampler_state
+        grad_norm_value = float(grad_norm)  # syncs the device: step time below is real
+
+        step_time = time.perf_counter() - start
+        tokens = sum(len(mb.tokens) for mb in batches)
+        return StepMetrics(
+            step=self.step, loss=loss_value, grad_norm=grad_norm_value, lr=lr, tokens=tokens,
+            tokens_per_s=tokens / step_time, step_time_s=step_time, data_wait_s=wait,
+            mfu=flops / step_time / self.peak_flops if self.peak_flops else None,
+            memory_bytes=_memory_bytes(self.device),
+        )
+
+    def train(self, steps: int | None = None,
+              on_step: Callable[[StepMetrics], None]
+              | Sequence[Callable[[StepMetrics], None]] | None = None) -> StepMetrics | None:
+        """Run `steps` more steps (default: until training.steps). Each step's metrics go to
+        the progress printer, then to the `on_step` hook(s). Returns the last metrics."""
+        until = self.cfg.training.steps if steps is None else self.step + steps
+        hooks = [] if on_step is None else [on_step] if callable(on_step) else list(on_step)
+        if self.printer is not None:
+            hooks.insert(0, self.printer)
+        metrics = None
+        while self.step < until:
+            metrics = self.train_step()
+            for hook in hooks:
+                hook(metrics)
+        return metrics
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bitwise-exact resume needs. Tensors are the live ones (as with
+        torch's own state_dicts): copy them before training on if they must not change."""
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": dict(self._data_state),
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()  # the data thread must not run while the sampler is repositioned
+        self.sampler.load_state_dict(state["data"])  # checks it fits this corpus and layout
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self._data_state = dict(state["data"])
+        set_rng_state(state["rng"])

@@ -1,0 +1,210 @@
+"""Packing documents into micro-batches under a token budget, and prefetching them.
+
+A micro-batch is one 1-D stream of whole documents (`cu_seqlens` marks where each starts), at
+most `micro_batch_tokens` long. Documents are taken in sampler order and never split or
+reordered (next-fit), so the order is a function of the sampler position alone.
+
+Resumability with a prefetcher running ahead: each `MicroBatch` carries `sampler_state`, the
+sampler position from which the documents *after* this micro-batch are drawn. Whoever consumes
+micro-batches saves the state of the last one consumed, never the live sampler's, which the
+background thread has already advanced.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from longrun.trainer.data import Corpus, DocumentSampler
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    tokens: Tensor  # int64 [T]
+    targets: Tensor  # int64 [T]: the next token within the document, IGNORE_INDEX at its end
+    positions: Tensor  # int64 [T]: offset of each token inside its document
+    cu_seqlens: Tensor  # int32 [n_docs + 1]
+    n_docs: int
+    n_tokens: int  # targets that count in the loss (T - n_docs)
+    max_seqlen: int
+    sampler_state: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens.cpu().numpy())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """Move the per-token tensors. `cu_seqlens` stays on the host: the model plans the
+        attention from it in Python and copies what a kernel needs itself; a device copy
+        would cost a device-to-host sync every forward."""
+        move = {"device": device, "non_blocking": non_blocking}
+        return replace(
+            self,
+            tokens=self.tokens.to(**move),
+            targets=self.targets.to(**move),
+            positions=self.positions.to(**move),
+        )
+
+
+def build_micro_batch(docs: list[np.ndarray], sampler_state: dict | None = None) -> MicroBatch:
+    """Concatenate documents (int arrays, each at least 1 token) into one packed micro-batch."""
+    if not docs:
+        raise ValueError("a micro-batch needs at least one document")
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    if (lengths == 0).any():
+        raise ValueError("documents must not be empty")
+    tokens = np.concatenate(docs).astype(np.int64, copy=False)
+    cu = np.concatenate(([0], np.cumsum(lengths)))
+    targets = np.empty_like(tokens)
+    targets[:-1] = tokens[1:]
+    targets[cu[1:] - 1] = IGNORE_INDEX  # a document's last token predicts nothing
+    positions = np.arange(len(tokens)) - np.repeat(cu[:-1], lengths)
+    return MicroBatch(
+        tokens=torch.from_numpy(tokens),
+        targets=torch.from_numpy(targets),
+        positions=torch.from_numpy(positions),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        n_docs=len(docs),
+        n_tokens=len(tokens) - len(docs),
+        max_seqlen=int(lengths.max()),
+        sampler_state=sampler_state,
+    )
+
+
+def packed_micro_batches(
+    corpus: Corpus, sampler: DocumentSampler, token_budget: int
+) -> Iterator[MicroBatch]:
+    """Endless micro-batches of at most `token_budget` tokens, documents in sampler order.
+
+    A document that does not fit is held for the next micro-batch; the state recorded is the
+    one from *before* drawing it, so a restored sampler draws it again first."""
+    pending: tuple[np.ndarray, dict] | None = None
+    while True:
+        docs: list[np.ndarray] = []
+        used = 0
+        while used < token_budget:
+            if pending is None:
+                state = sampler.state_dict()
+                doc = corpus[next(sampler)]
+                if len(doc) > token_budget:
+                    raise ValueError(
+                        f"a document of {len(doc)} tokens does not fit data.micro_batch_tokens "
+                        f"({token_budget}); raise micro_batch_tokens to at least model.max_seq_len"
+                    )
+                pending = (doc, state)
+            if used + len(pending[0]) > token_budget:
+                break
+            docs.append(pending[0])
+            used += len(pending[0])
+            pending = None
+        yield build_micro_batch(docs, pending[1] if pending else sampler.state_dict())
+
+
+T = TypeVar("T")
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+_END = object()
+
+
+class Prefetcher(Generic[T]):
+    """Runs `source` in a background thread, up to `depth` items ahead (a bounded queue).
+
+    `next()` returns items in order and sets `last_wait_s`, how long the consumer waited: the
+    data phase of a step. An exception raised by the source is re-raised by `next()` in the
+    consumer, original type and traceback. `close()` (or leaving a `with` block) stops and
+    joins the thread. depth 0 runs the source inline (no thread). The thread is a daemon only
+    as a backstop for an interpreter exit without `close()`; `close()` always joins it."""
+
+    _POLL_S = 0.05  # how often a producer blocked on a full queue checks for close()
+
+    def __init__(self, source: Iterable[T], depth: int, name: str = "longrun-prefetch"):
+        self._source = iter(source)
+        self.depth = depth
+        self.last_wait_s = 0.0
+        self._done = False
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
+            self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def _produce(self) -> None:
+        try:
+            for item in self._source:
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except BaseException as exc:
+            self._put(_Failure(exc))
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Prefetcher[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._stop.is_set():
+            raise RuntimeError("the prefetcher is closed")
+        if self._done:
+            raise StopIteration
+        start = time.perf_counter()
+        try:
+            item = next(self._source) if self._thread is None else self._queue.get()
+        except StopIteration:
+            item = _END
+        finally:
+            self.last_wait_s = time.perf_counter() - start
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._done = True
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:  # unblock a producer waiting on a full queue
+                    while True:
+                        self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=self._POLL_S)
+        close_source = getattr(self._source, "close", None)
+        if close_source is not None:
+            close_source()  # a generator: release what it holds, in this (the owning) thread
+
+    def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,90 @@
+"""The `longrun` command line, run as a user would: a separate process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import yaml
+
+from longrun.services.process import pids_mentioning
+
+
+def longrun(*args, cwd=None, env=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "longrun.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_commands():
+    out = longrun("--help")
+    assert out.returncode == 0
+    for command in ("run", "config", "doctor"):
+        assert command in out.stdout
+
+
+def test_config_validate_good_and_bad(repo_root, tmp_path):
+    ok = longrun("config", "validate", repo_root / "examples" / "tiny.yaml")
+    assert ok.returncode == 0 and "valid config for job tiny" in ok.stdout
+    bad = longrun("config", "validate", repo_root / "examples" / "tiny.yaml",
+                  "--set", "parallelism.dp=2", "--set", "training.lr=fast")
+    assert bad.returncode == 2
+    assert "training.lr:" in bad.stderr
+    missing = longrun("config", "validate", tmp_path / "nope.yaml")
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_config_show_prints_the_resolved_config(repo_root):
+    out = longrun("config", "show", repo_root / "examples" / "tiny.yaml", "--set", "training.steps=3",
+                  "--set", "training.warmup_steps=1")
+    assert out.returncode == 0, out.stderr
+    shown = yaml.safe_load(out.stdout)
+    assert shown["training"]["steps"] == 3
+    assert shown["recovery"]["max_restarts"] == 10  # a default, filled in
+
+
+def test_doctor_passes_here_and_explains_what_is_missing():
+    out = longrun("doctor")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "redis-server" in out.stdout and "prometheus" in out.stdout and "ready" in out.stdout
+    # Without the server binaries on PATH, doctor fails and says how to install them.
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable), "COLUMNS": "250"}
+    out = longrun("doctor", env=env)
+    assert out.returncode == 1
+    assert "apt-get install -y redis-server" in out.stdout
+    assert "missing or broken" in out.stdout
+
+
+def _service_processes() -> set[int]:
+    return set(pids_mentioning("lr-ray-")) | set(pids_mentioning("longrun-redis-"))
+
+
+def test_run_trains_the_tiny_job_end_to_end(repo_root, tmp_path):
+    before = _service_processes()
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", f"job.output_dir={tmp_path}",
+                  "--set", "training.steps=12", "--set", "training.warmup_steps=2", cwd=tmp_path)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert "state SUCCEEDED" in log and "done: 12 steps" in log
+    losses = [float(x) for x in re.findall(r"step\s+\d+/12\s+loss\s+([0-9.]+)", log)]
+    assert len(losses) == 12, log
+    assert losses[-1] < losses[0] - 0.5, losses  # it learns
+    resolved = yaml.safe_load((tmp_path / "tiny" / "config.yaml").read_text())
+    assert resolved["training"]["steps"] == 12
+    assert _service_processes() <= before  # embedded Redis and Ray are gone
+
+
+def test_run_refuses_a_bad_config_before_starting_anything(repo_root, tmp_path):
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "model.n_heads=3", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "model: dim (128) must be divisible by n_heads (3)" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_explains_multi_worker_is_not_available_yet(repo_root, tmp_path):
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "cluster.workers_per_node=2",
+                  "--set", "parallelism.dp=2", "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 1
+    assert "single-worker jobs" in out.stderr
+    assert "starting an embedded" not in out.stderr  # refused before starting any service

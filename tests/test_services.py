@@ -1,0 +1,114 @@
+"""Embedded servers: they start on loopback, demand their password and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import redis
+
+from longrun.services import EmbeddedRay, EmbeddedRedis, ServiceError
+from longrun.services.process import pids_in_session
+
+
+def _gone(pid: int) -> bool:
+    """True when `pid` no longer exists or is a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_redis_answers_with_password_and_refuses_without():
+    with EmbeddedRedis() as server:
+        assert server.client().ping()
+        assert server.client().set("k", "v") and server.client().get("k") == b"v"
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        wrong = redis.Redis(host="127.0.0.1", port=server.port, password="not-the-password")
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+        # Loopback only and no persistence by default.
+        config = server.client().config_get("*")
+        assert config["bind"].split() == ["127.0.0.1"]
+        assert config["save"] == "" and config["appendonly"] == "no"
+
+
+def test_redis_stop_leaves_no_process():
+    server = EmbeddedRedis().start()
+    pid = server.process.pid
+    port = server.port
+    server.stop()
+    assert _gone(pid)
+    assert not pids_in_session(pid)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()
+
+
+def test_redis_dies_with_a_sigkilled_parent(tmp_path):
+    """No orphans even when longrun itself is killed without a chance to clean up."""
+    script = textwrap.dedent("""
+        import sys, time
+        from longrun.services import EmbeddedRedis
+        server = EmbeddedRedis().start()
+        print(server.process.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    assert not _gone(child_pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # waiting for the kernel to deliver the parent-death signal
+    assert _gone(child_pid)
+
+
+def test_redis_missing_binary_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ServiceError, match=r"redis-server was not found.*apt-get install -y redis-server"):
+        EmbeddedRedis().start()
+
+
+def test_redis_start_failure_reports_the_log():
+    # A port outside the valid range makes redis-server exit at once, with its reason logged.
+    with pytest.raises(ServiceError, match="exited with code"):
+        EmbeddedRedis(port=70000).start()
+
+
+def test_redis_url_needs_a_running_server():
+    with pytest.raises(ServiceError, match="not running"):
+        _ = EmbeddedRedis().url
+
+
+def test_ray_head_on_loopback_runs_tasks_and_stops_cleanly():
+    ray_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    with EmbeddedRay(num_cpus=1) as head:
+        assert head.address.startswith("127.0.0.1:")
+        leader = head.process.pid
+        temp_dir = head.temp_dir
+        # A separate driver process, as `longrun run` or a submitted job would be.
+        code = textwrap.dedent(f"""
+            import ray
+            ray.init(address={head.address!r}, logging_level="error")
+            @ray.remote
+            def where():
+                import ray
+                return ray.util.get_node_ip_address()
+            print(ray.get(where.remote()))
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **ray_env})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == "127.0.0.1"
+    assert _gone(leader)
+    assert not pids_in_session(leader)
+    assert not temp_dir.exists()
