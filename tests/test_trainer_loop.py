@@ -4,6 +4,7 @@ bitwise-exact resume."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from longrun.config import config_from_dict
 from longrun.config.sections import TrainingSection
 from longrun.trainer import (
+    NonFiniteError,
+    NonFiniteGradientError,
     NonFiniteLossError,
     ProgressPrinter,
     StepMetrics,
@@ -132,6 +135,24 @@ def test_nan_loss_raises_before_the_update_and_rewinds_the_data():
     with Trainer(cfg, progress=False) as unbroken:
         unbroken.train(steps=3)
         assert all(torch.equal(retried[k], v) for k, v in _weights(unbroken).items())
+
+
+def test_inf_gradient_with_finite_loss_raises_before_the_update():
+    cfg = _cfg({"steps": 3})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.train(steps=1)
+        weight = trainer.model.layers[0].feed_forward.w1.weight
+        handle = weight.register_hook(lambda grad: grad * float("inf"))
+        before = _weights(trainer)
+        with pytest.raises(NonFiniteGradientError, match=r"gradient norm is .* at step 2") as err:
+            trainer.train_step()
+        assert err.value.step == 2 and not math.isfinite(err.value.grad_norm)
+        assert isinstance(err.value, NonFiniteError)
+        assert trainer.step == 1
+        assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())
+        handle.remove()
+        trainer.train(steps=1)
+        assert trainer.step == 2
 
 
 def test_bfloat16_autocast_trains():

@@ -29,7 +29,7 @@ class Section(BaseModel):
 
 class JobSection(Section):
     name: str = Field(description="Lowercase letters, digits and '-' (used in keys, paths, labels).")
-    seed: NonNegativeInt = Field(0, description="Seed for weights, data order and dropout.")
+    seed: NonNegativeInt = Field(0, description="Seed for weight init and data order.")
     output_dir: str = Field("runs", description="Directory under which runs/<name>/ is created.")
 
     @field_validator("name")
@@ -79,7 +79,7 @@ class ModelSection(Section):
     n_heads: PositiveInt = 4
     n_kv_heads: PositiveInt | None = Field(None, description="Grouped-query attention; null = n_heads.")
     ffn_dim: PositiveInt | None = Field(None, description="SwiGLU hidden size; null = 8/3 dim rounded to 64.")
-    max_seq_len: PositiveInt = 256
+    max_seq_len: Annotated[int, Field(ge=2)] = Field(256, description="Longest document chunk, in tokens.")
     rope_theta: PositiveFloat = 10000.0
     norm_eps: PositiveFloat = 1e-5
     tie_embeddings: bool = True

@@ -11,6 +11,8 @@ from longrun.trainer.data import (
     build_corpus,
 )
 from longrun.trainer.loop import (
+    NonFiniteError,
+    NonFiniteGradientError,
     NonFiniteLossError,
     ProgressPrinter,
     StepMetrics,
@@ -37,6 +39,8 @@ __all__ = [
     "FileCorpus",
     "JsonlCorpus",
     "MicroBatch",
+    "NonFiniteError",
+    "NonFiniteGradientError",
     "NonFiniteLossError",
     "Prefetcher",
     "ProgressPrinter",

@@ -42,15 +42,28 @@ from longrun.trainer.tokenizer import ByteTokenizer
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss of `step` (1-based) was NaN or infinite; the weights were not updated."""
+class NonFiniteError(RuntimeError):
+    """A step produced NaN/inf (`quantity` is "loss" or "gradient norm"); the weights were
+    not updated. `step` is the 1-based step that failed."""
 
-    def __init__(self, step: int, loss: float):
-        self.step, self.loss = step, loss
+    def __init__(self, step: int, quantity: str, value: float):
+        self.step, self.quantity, self.value = step, quantity, value
         super().__init__(
-            f"loss is {loss} at step {step}: training diverged or the weights or data hold "
+            f"{quantity} is {value} at step {step}: training diverged or the weights or data hold "
             "NaN/inf; resume from an earlier checkpoint, lower training.lr or check the data"
         )
+
+
+class NonFiniteLossError(NonFiniteError):
+    def __init__(self, step: int, loss: float):
+        super().__init__(step, "loss", loss)
+        self.loss = loss
+
+
+class NonFiniteGradientError(NonFiniteError):
+    def __init__(self, step: int, grad_norm: float):
+        super().__init__(step, "gradient norm", grad_norm)
+        self.grad_norm = grad_norm
 
 
 @dataclass
@@ -256,7 +269,11 @@ class Trainer:
             loss_value, flops = self.forward_backward(batches)
             if not math.isfinite(loss_value):
                 raise NonFiniteLossError(self.step + 1, loss_value)
-            grad_norm = self._clip_gradients()
+            # A finite loss can still back-propagate inf (an overflow in one layer); stepping
+            # on it would poison the weights, so check before the optimizer runs.
+            grad_norm_value = float(self._clip_gradients())
+            if not math.isfinite(grad_norm_value):
+                raise NonFiniteGradientError(self.step + 1, grad_norm_value)
         except BaseException:
             # The step did not happen: rewind the data to the last completed step, so that
             # state_dict() and a retry in this process agree with the weights.
@@ -266,8 +283,8 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self._data_state = batches[-1].sampler_state
-        grad_norm_value = float(grad_norm)  # syncs the device: step time below is real
-
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
         step_time = time.perf_counter() - start
         tokens = sum(len(mb.tokens) for mb in batches)
         return StepMetrics(
