@@ -2,6 +2,6 @@
 
 from longrun.services.process import ManagedProcess, ServiceError
 from longrun.services.ray_head import EmbeddedRay
-from longrun.services.redis_server import EmbeddedRedis, find_redis_server
+from longrun.services.redis_server import EmbeddedRedis, TlsFiles, find_redis_server
 
-__all__ = ["EmbeddedRay", "EmbeddedRedis", "ManagedProcess", "ServiceError", "find_redis_server"]
+__all__ = ["EmbeddedRay", "EmbeddedRedis", "ManagedProcess", "ServiceError", "TlsFiles", "find_redis_server"]

@@ -12,8 +12,9 @@ import secrets
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import redis
 
@@ -30,6 +31,15 @@ def find_redis_server() -> str:
     return path
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS-only server: its certificate and key, and the CA clients trust."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class EmbeddedRedis:
     """`with EmbeddedRedis() as server: redis.Redis.from_url(server.url)`."""
 
@@ -40,12 +50,14 @@ class EmbeddedRedis:
         port: int | None = None,
         password: str | None = None,
         persist_dir: str | Path | None = None,
+        tls: TlsFiles | None = None,
         start_timeout_s: float = 15.0,
     ):
         self.host = host
         self.requested_port = port
         self.password = password or secrets.token_urlsafe(24)
         self.persist_dir = Path(persist_dir) if persist_dir else None
+        self.tls = tls
         self.start_timeout_s = start_timeout_s
         self.port: int | None = None
         self.process: ManagedProcess | None = None
@@ -55,7 +67,11 @@ class EmbeddedRedis:
     def url(self) -> str:
         if self.port is None:
             raise ServiceError("the embedded Redis is not running; call start() first")
-        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+        if self.tls is None:
+            return f"redis://{auth}"
+        query = urlencode({"ssl_ca_certs": str(self.tls.ca), "ssl_cert_reqs": "required"})
+        return f"rediss://{auth}?{query}"
 
     def client(self, **kwargs) -> redis.Redis:
         return redis.Redis.from_url(self.url, **kwargs)
@@ -109,9 +125,14 @@ class EmbeddedRedis:
             if self.persist_dir
             else 'appendonly no\nsave ""\n'
         )
+        if self.tls is None:
+            listen = f"port {self.port}\n"
+        else:  # TLS only: the plain port is closed
+            listen = (f"port 0\ntls-port {self.port}\ntls-cert-file {self.tls.cert}\n"
+                      f"tls-key-file {self.tls.key}\ntls-ca-cert-file {self.tls.ca}\ntls-auth-clients no\n")
         return (
             f"bind {self.host}\n"
-            f"port {self.port}\n"
+            f"{listen}"
             "protected-mode yes\n"
             f"requirepass {self.password}\n"
             "daemonize no\n"
@@ -126,7 +147,7 @@ class EmbeddedRedis:
         assert self.process is not None
         deadline = time.monotonic() + self.start_timeout_s
         delay = 0.005
-        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1)
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
         try:
             while True:
                 if not self.process.alive():

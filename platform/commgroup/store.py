@@ -1,0 +1,247 @@
+"""`RedisStore`: a `torch.distributed.Store` over Redis.
+
+torch's process groups exchange their bootstrap data (gloo addresses, NCCL unique ids,
+barrier counters) through a key-value store. TCPStore puts that store inside rank 0, which
+must be up first and dies with it; Redis is an independent, replicated service that every
+rank of every attempt can reach, which is what lets a recovering job re-form its world
+without a rank 0 that survived.
+
+Layout: under the attempt's namespace (`keys.store_prefix(job, attempt)`), key K is stored
+at `<ns>k:K`, and every write to it also appends to a one-entry stream `<ns>s:K` in the same
+transaction. A reader that finds K missing blocks on that stream with `XREAD BLOCK` from id
+0-0, which returns at once if the key was written since the check: a server-side wait with
+no race and no polling storm, on any Redis >= 5 (no keyspace-notification config needed).
+Each operation is one round trip (a pipeline, a script, or MGET/MSET).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import torch.distributed as dist
+
+from longrun import keys
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+# A blocked read is re-issued at least this often, so the socket timeout can stay finite and
+# a vanished server is noticed rather than waited on forever.
+_BLOCK_CHUNK_S = 2.0
+
+# compare_set with exactly the semantics of torch's HashStore/TCPStore: set when the key is
+# missing and `expected` is empty, or when the current value equals `expected`; return the
+# value now stored, or `expected` when the key is missing and nothing was set.
+_COMPARE_SET = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur and ARGV[1] == '') or (cur and cur == ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[2])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'w', '1')
+  return ARGV[2]
+elseif not cur then
+  return ARGV[1]
+end
+return cur
+"""
+
+
+class StoreTimeoutError(dist.DistStoreError):
+    """Waited `timeout` for keys that never appeared; `missing` names them."""
+
+    def __init__(self, namespace: str, missing: Sequence[str], timeout: timedelta):
+        self.missing = list(missing)
+        shown = ", ".join(repr(k) for k in self.missing[:8]) + (" ..." if len(self.missing) > 8 else "")
+        super().__init__(
+            f"timed out after {timeout.total_seconds():g} s waiting for key(s) {shown} in store {namespace!r}"
+        )
+
+
+class StoreConnectionError(dist.DistStoreError):
+    pass
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _as_bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class RedisStore(dist.Store):
+    def __init__(self, url: str, namespace: str, timeout: timedelta = DEFAULT_TIMEOUT,
+                 connect_timeout_s: float = 10.0):
+        super().__init__()
+        self.url = url
+        self.namespace = namespace
+        self._connect_timeout_s = connect_timeout_s
+        self.set_timeout(timeout)
+        self._client = redis.Redis.from_url(
+            url, socket_connect_timeout=connect_timeout_s, socket_timeout=_BLOCK_CHUNK_S + connect_timeout_s,
+            socket_keepalive=True, health_check_interval=30)
+        self._compare_set = self._client.register_script(_COMPARE_SET)
+        try:
+            self._client.ping()
+        except redis.AuthenticationError as exc:
+            raise StoreConnectionError(
+                f"Redis at {redact(url)} refused the credentials: {exc}. "
+                "Check the password in the URL (redis://:PASSWORD@host:port).") from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreConnectionError(f"cannot reach Redis at {redact(url)} within {connect_timeout_s:g} s: "
+                                       f"{exc}. Is the server running and the address right?") from None
+
+    @classmethod
+    def for_attempt(cls, url: str, job: str, attempt: int,
+                    timeout: timedelta = DEFAULT_TIMEOUT) -> RedisStore:
+        return cls(url, keys.store_prefix(job, attempt), timeout)
+
+    # -- key mapping ---------------------------------------------------------------------------
+    def _k(self, key: str) -> str:
+        return f"{self.namespace}k:{key}"
+
+    def _s(self, key: str) -> str:
+        return f"{self.namespace}s:{key}"
+
+    def _signal(self, pipe, key: str) -> None:
+        pipe.xadd(self._s(key), {"w": 1}, maxlen=1, approximate=False)
+
+    # -- the Store contract --------------------------------------------------------------------
+    def set(self, key: str, value) -> None:
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.set(self._k(key), _as_bytes(value))
+            self._signal(pipe, key)
+            pipe.execute()
+
+    def get(self, key: str) -> bytes:
+        value = self._client.get(self._k(key))
+        if value is None:
+            self.wait([key])
+            value = self._client.get(self._k(key))
+            if value is None:  # deleted between the wake-up and the read
+                raise StoreTimeoutError(self.namespace, [key], self.timeout)
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.incrby(self._k(key), amount)
+            self._signal(pipe, key)
+            return int(pipe.execute()[0])
+
+    def compare_set(self, key: str, expected_value, desired_value) -> bytes:
+        return self._compare_set(keys=[self._k(key), self._s(key)],
+                                 args=[_as_bytes(expected_value), _as_bytes(desired_value)])
+
+    def append(self, key: str, value) -> None:
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.append(self._k(key), _as_bytes(value))
+            self._signal(pipe, key)
+            pipe.execute()
+
+    def check(self, keys_: list[str]) -> bool:
+        if not keys_:
+            return True
+        return self._client.exists(*[self._k(k) for k in keys_]) == len(set(keys_))
+
+    def wait(self, keys_: list[str], timeout: timedelta | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        missing = self._missing(keys_)
+        while missing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreTimeoutError(self.namespace, missing, timeout)
+            block_ms = max(1, int(min(remaining, _BLOCK_CHUNK_S) * 1000))
+            # From id 0-0: returns at once for a key written since `_missing` looked.
+            self._client.xread({self._s(k): "0-0" for k in missing}, count=1, block=block_ms)
+            missing = self._missing(missing)
+
+    def delete_key(self, key: str) -> bool:
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k(key))
+            pipe.delete(self._s(key))
+            return pipe.execute()[0] > 0
+
+    def num_keys(self) -> int:
+        return sum(1 for _ in self._client.scan_iter(match=self._pattern("k:"), count=1000))
+
+    def multi_get(self, keys_: list[str]) -> list[bytes]:
+        values = self._client.mget([self._k(k) for k in keys_]) if keys_ else []
+        if any(v is None for v in values):
+            self.wait(keys_)
+            values = self._client.mget([self._k(k) for k in keys_])
+            if any(v is None for v in values):
+                raise StoreTimeoutError(self.namespace, [k for k, v in zip(keys_, values, strict=True)
+                                                         if v is None], self.timeout)
+        return values
+
+    def multi_set(self, keys_: list[str], values: list) -> None:
+        if len(keys_) != len(values):
+            raise ValueError(f"multi_set got {len(keys_)} keys but {len(values)} values")
+        if not keys_:
+            return
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.mset({self._k(k): _as_bytes(v) for k, v in zip(keys_, values, strict=True)})
+            for k in keys_:
+                self._signal(pipe, k)
+            pipe.execute()
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> RedisStore:
+        """A store over the same namespace with its own connections (torch clones a store for
+        use from another thread)."""
+        return RedisStore(self.url, self.namespace, self.timeout, self._connect_timeout_s)
+
+    # torch's C++ trampoline calls these two under their C++ names.
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _pattern(self, sub: str = "") -> str:
+        # Escape glob characters of the namespace so SCAN matches it literally.
+        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.namespace)
+        return f"{escaped}{sub}*"
+
+    def delete_namespace(self) -> int:
+        """Delete every key of this namespace (an attempt's store when the attempt ends)."""
+        return delete_matching(self._client, self._pattern())
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _missing(self, keys_: list[str]) -> list[str]:
+        if not keys_:
+            return []
+        with self._client.pipeline(transaction=False) as pipe:
+            for k in keys_:
+                pipe.exists(self._k(k))
+            present = pipe.execute()
+        return [k for k, p in zip(keys_, present, strict=True) if not p]
+
+
+def delete_matching(client: redis.Redis, pattern: str, batch: int = 1000) -> int:
+    """UNLINK every key matching `pattern`, in batches; returns how many were removed."""
+    removed, chunk = 0, []
+    for key in client.scan_iter(match=pattern, count=batch):
+        chunk.append(key)
+        if len(chunk) >= batch:
+            removed += client.unlink(*chunk)
+            chunk = []
+    if chunk:
+        removed += client.unlink(*chunk)
+    return removed
+
+
+def delete_attempt_keys(client: redis.Redis, job: str, attempt: int) -> int:
+    """Everything an attempt owned (store, heartbeats): called when the attempt ends."""
+    escaped = "".join("\\" + c if c in "*?[]\\" else c for c in keys.attempt_prefix(job, attempt))
+    return delete_matching(client, escaped + "*")

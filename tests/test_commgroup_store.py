@@ -1,0 +1,273 @@
+"""RedisStore against a real redis-server: the whole torch Store contract."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import redis
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from longrun import keys
+from longrun.commgroup.store import (
+    RedisStore,
+    StoreConnectionError,
+    StoreTimeoutError,
+    delete_attempt_keys,
+    redact,
+)
+from longrun.services import EmbeddedRedis, TlsFiles
+from longrun.services.ports import free_port
+
+NS = "longrun:test:a0:store:"
+
+
+@pytest.fixture
+def store(redis_server, redis_client):
+    s = RedisStore(redis_server.url, NS, timeout=timedelta(seconds=10))
+    yield s
+    s.close()
+
+
+def _wait_for_blocked_reader(client: redis.Redis, deadline_s: float = 10.0) -> None:
+    """Block until some connection sits in XREAD: proof that a reader is waiting server-side."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if any(c.get("cmd") == "xread" for c in client.client_list()):
+            return
+        time.sleep(0.005)  # polling Redis for a state change of another thread
+    raise AssertionError("no reader blocked in XREAD")
+
+
+def test_set_get_binary_and_str(store):
+    blob = bytes(range(256)) + b"\x00\xff\xfe"
+    store.set("bin", blob)
+    assert store.get("bin") == blob
+    store.set("text", "héllo")
+    assert store.get("text") == "héllo".encode()
+    store.set("empty", b"")
+    assert store.get("empty") == b""
+
+
+def test_get_blocks_until_another_client_sets(store, redis_server, redis_client):
+    other = RedisStore(redis_server.url, NS)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(store.get, "late")
+        _wait_for_blocked_reader(redis_client)
+        assert not future.done()
+        other.set("late", b"here")
+        assert future.result(timeout=10) == b"here"
+
+
+def test_get_times_out_naming_the_key(redis_server):
+    s = RedisStore(redis_server.url, NS, timeout=timedelta(milliseconds=300))
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match=r"waiting for key\(s\) 'never'") as info:
+        s.get("never")
+    assert 0.3 <= time.monotonic() - start < 10
+    assert info.value.missing == ["never"]
+    assert isinstance(info.value, dist.DistStoreError)
+
+
+def test_wait_with_and_without_timeout(store, redis_server, redis_client):
+    store.set("a", b"1")
+    store.wait(["a"])
+    store.wait(["a"], timedelta(milliseconds=1))
+    with pytest.raises(StoreTimeoutError) as info:
+        store.wait(["a", "b", "c"], timedelta(milliseconds=200))
+    assert info.value.missing == ["b", "c"]
+    other = RedisStore(redis_server.url, NS)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(store.wait, ["b", "c"])
+        _wait_for_blocked_reader(redis_client)
+        other.set("b", b"")
+        other.add("c", 1)
+        assert future.result(timeout=10) is None
+
+
+def test_add_counts_and_interoperates_with_get(store):
+    assert store.add("n", 1) == 1
+    assert store.add("n", 5) == 6
+    assert store.add("n", -2) == 4
+    assert store.get("n") == b"4"
+
+
+def test_many_concurrent_clients_add_exactly(redis_server):
+    clients = [RedisStore(redis_server.url, NS) for _ in range(16)]
+
+    def work(s):
+        return [s.add("counter", 1) for _ in range(50)]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = [v for vs in pool.map(work, clients) for v in vs]
+    assert sorted(results) == list(range(1, 16 * 50 + 1))  # every increment seen exactly once
+
+
+def test_append_check_delete_num_keys(store):
+    store.append("log", b"ab")
+    store.append("log", b"cd")
+    assert store.get("log") == b"abcd"
+    assert store.check(["log"]) and not store.check(["log", "nope"]) and store.check([])
+    store.set("x", b"1")
+    assert store.num_keys() == 2
+    assert store.delete_key("x") is True
+    assert store.delete_key("x") is False
+    assert not store.check(["x"])
+    assert store.num_keys() == 1
+
+
+def test_multi_get_and_multi_set(store, redis_server, redis_client):
+    store.multi_set(["m1", "m2"], [b"one", "two"])
+    assert store.multi_get(["m1", "m2"]) == [b"one", b"two"]
+    assert store.multi_get([]) == []
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        store.multi_set(["a", "b"], [b"1"])
+    other = RedisStore(redis_server.url, NS)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(store.multi_get, ["m1", "m3"])  # blocks for the missing one
+        _wait_for_blocked_reader(redis_client)
+        other.set("m3", b"three")
+        assert future.result(timeout=10) == [b"one", b"three"]
+
+
+def test_timeout_property_and_clone(store):
+    store.set_timeout(timedelta(seconds=42))
+    assert store.timeout == timedelta(seconds=42)
+    twin = store.clone()
+    assert twin.timeout == timedelta(seconds=42)
+    store.set("shared", b"v")
+    assert twin.get("shared") == b"v"
+    twin.close()
+
+
+def test_works_through_prefix_store(store):
+    prefixed = dist.PrefixStore("pg0", store)
+    prefixed.set("k", b"v")
+    assert store.get("pg0/k") == b"v"
+    assert prefixed.add("c", 3) == 3
+    assert prefixed.delete_key("k")
+    assert prefixed.num_keys() >= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(
+    st.sampled_from(["set", "compare_set", "append", "add", "delete", "check"]),
+    st.sampled_from(["k1", "k2"]),
+    st.sampled_from([b"", b"a", b"b", b"1", b"ab"]),
+    st.sampled_from([b"", b"a", b"b", b"7"]),
+), max_size=25))
+def test_same_results_as_torch_hashstore(redis_server, ops):
+    """Any sequence of operations gives the results torch's own in-memory store gives."""
+    ours = RedisStore(redis_server.url, f"longrun:prop:a{time.monotonic_ns()}:store:")
+    theirs = dist.HashStore()
+    try:
+        for op, key, v1, v2 in ops:
+            if op == "set":
+                ours.set(key, v1)
+                theirs.set(key, v1)
+            elif op == "compare_set":
+                assert ours.compare_set(key, v1, v2) == theirs.compare_set(key, v1, v2)
+            elif op == "append":
+                ours.append(key, v1)
+                theirs.append(key, v1)
+            elif op == "add":
+                if not theirs.check([key]) or theirs.get(key).lstrip(b"-").isdigit():
+                    assert ours.add(key, 3) == theirs.add(key, 3)
+            elif op == "delete":
+                assert ours.delete_key(key) == theirs.delete_key(key)
+            else:
+                assert ours.check([key]) == theirs.check([key])
+        for key in ("k1", "k2"):
+            assert ours.check([key]) == theirs.check([key])
+            if theirs.check([key]):
+                assert ours.get(key) == theirs.get(key)
+    finally:
+        ours.delete_namespace()
+        ours.close()
+
+
+def test_attempts_are_isolated_and_cleaned_up(redis_server, redis_client):
+    first = RedisStore.for_attempt(redis_server.url, "iso", 0)
+    second = RedisStore.for_attempt(redis_server.url, "iso", 1)
+    first.set("rank0_addr", b"old")
+    assert not second.check(["rank0_addr"])
+    second.set("rank0_addr", b"new")
+    assert first.get("rank0_addr") == b"old" and second.get("rank0_addr") == b"new"
+    redis_client.set(keys.heartbeat_key("iso", 0, 0), b"{}")
+    removed = delete_attempt_keys(redis_client, "iso", 0)
+    assert removed == 3  # value, its signal stream, the heartbeat
+    assert not first.check(["rank0_addr"]) and second.get("rank0_addr") == b"new"
+    assert second.delete_namespace() == 2
+    assert redis_client.keys("longrun:iso:*") == []
+
+
+def test_namespace_with_glob_characters_is_matched_literally(redis_server, redis_client):
+    a = RedisStore(redis_server.url, "ns[1]*:")
+    b = RedisStore(redis_server.url, "ns1x:")
+    a.set("k", b"1")
+    b.set("k", b"1")
+    assert a.num_keys() == 1
+    a.delete_namespace()
+    assert b.check(["k"])
+
+
+def test_unreachable_redis_is_a_clear_error():
+    port = free_port()  # nothing listens here
+    start = time.monotonic()
+    with pytest.raises(StoreConnectionError, match=f"cannot reach Redis at redis://127.0.0.1:{port}"):
+        RedisStore(f"redis://127.0.0.1:{port}/0", NS, connect_timeout_s=2)
+    assert time.monotonic() - start < 10
+
+
+def test_wrong_password_is_a_clear_error_that_hides_the_password(redis_server):
+    url = f"redis://:secret-guess@127.0.0.1:{redis_server.port}/0"
+    with pytest.raises(StoreConnectionError, match="refused the credentials") as info:
+        RedisStore(url, NS)
+    assert "secret-guess" not in str(info.value)
+    assert redact(url) == f"redis://:***@127.0.0.1:{redis_server.port}/0"
+
+
+def _make_tls_files(tmp_path) -> TlsFiles:
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    ca_key, ca, key, csr, cert = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+            "-subj", "/CN=longrun-test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+            "-days", "1", "-extfile", ext)
+    return TlsFiles(cert=cert, key=key, ca=ca)
+
+
+def test_tls_url_with_password(tmp_path):
+    with EmbeddedRedis(tls=_make_tls_files(tmp_path)) as server:
+        assert server.url.startswith("rediss://")
+        s = RedisStore(server.url, NS)
+        s.set("secure", b"yes")
+        assert s.get("secure") == b"yes"
+        # The plain-text protocol is refused on the TLS port.
+        with pytest.raises(StoreConnectionError):
+            RedisStore(f"redis://:{server.password}@127.0.0.1:{server.port}/0", NS, connect_timeout_s=2)
+
+
+def test_threads_share_one_store(store, redis_server):
+    """torch calls a store from several threads at once (gloo's async connects)."""
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        barrier.wait()
+        store.set(f"t{i}", str(i))
+        return store.get(f"t{(i + 1) % 8}")
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(work, range(8)))
+    assert got == [str((i + 1) % 8).encode() for i in range(8)]
