@@ -75,6 +75,7 @@ def test_dynamic_cp_groups_partition_each_dp_cp_group(layout):
         for g in groups:
             parent = layout.group_of("dp_cp", g[0])
             assert set(g) <= set(parent)
+            assert all(layout.dynamic_cp_group_of(size, r) == g for r in g)
     # Groups no larger than cp stay inside one model replica.
     for size, groups in layout.dynamic_cp_groups.items():
         if size <= layout.dims.cp:
@@ -105,6 +106,14 @@ def test_llama_style_example():
 def test_bad_layouts(nodes, per_node, dims, needle):
     with pytest.raises(ValueError, match=needle):
         make_layout(nodes, per_node, dims)
+
+
+def test_group_lookup_rejects_unknown_ranks_and_sizes():
+    layout = make_layout([NodeSpec("a")], 4, ParallelDims(dp=2, cp=2))
+    with pytest.raises(KeyError, match="not in the world of 4"):
+        layout.group_of("tp", 4)
+    with pytest.raises(KeyError, match="no dynamic-CP groups of size 8"):
+        layout.dynamic_cp_group_of(8, 0)
 
 
 def test_bad_dims():

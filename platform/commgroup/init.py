@@ -119,8 +119,8 @@ class ParallelGroups:
 def _my_groups(layout: Layout, rank: int) -> list[tuple[str, list[int]]]:
     """(name, ranks) of every group `rank` belongs to, in the canonical global order."""
     named = [(kind, layout.group_of(kind, rank)) for kind in GROUP_KINDS]
-    for size, groups in sorted(layout.dynamic_cp_groups.items()):
-        named += [(f"dcp{size}", g) for g in groups if rank in g]
+    sizes = sorted(layout.dynamic_cp_groups)
+    named += [(f"dcp{size}", layout.dynamic_cp_group_of(size, rank)) for size in sizes]
     return named
 
 

@@ -7,11 +7,12 @@ rank of every attempt can reach, which is what lets a recovering job re-form its
 without a rank 0 that survived.
 
 Layout: under the attempt's namespace (`keys.store_prefix(job, attempt)`), key K is stored
-at `<ns>k:K`, and every write to it also appends to a one-entry stream `<ns>s:K` in the same
-transaction. A reader that finds K missing blocks on that stream with `XREAD BLOCK` from id
-0-0, which returns at once if the key was written since the check: a server-side wait with
-no race and no polling storm, on any Redis >= 5 (no keyspace-notification config needed).
-Each operation is one round trip (a pipeline, a script, or MGET/MSET).
+at `<ns>k:K`, and every write to it also replaces the single entry of a stream `<ns>s:K` with
+the new value, atomically (one Lua script). `get` is one `XREAD BLOCK ... 0-0` on that
+stream: it returns the current value at once when K exists and otherwise blocks server-side
+until K is written - one round trip either way, like TCPStore's get, with no race, no
+polling storm and no keyspace-notification config, on any Redis >= 5. Every other operation
+is one round trip too (a script, a pipeline, or MGET/MSET).
 """
 
 from __future__ import annotations
@@ -38,12 +39,29 @@ _COMPARE_SET = """
 local cur = redis.call('GET', KEYS[1])
 if (not cur and ARGV[1] == '') or (cur and cur == ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[2])
-  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'w', '1')
+  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'v', ARGV[2])
   return ARGV[2]
 elseif not cur then
   return ARGV[1]
 end
 return cur
+"""
+
+
+# Writes as single scripts: the value and its signal change atomically in one command on the
+# wire (a MULTI/EXEC pipeline would be four).
+_SET = """
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'v', ARGV[1])
+"""
+_ADD = """
+local n = redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'v', tostring(n))
+return n
+"""
+_APPEND = """
+redis.call('APPEND', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'v', redis.call('GET', KEYS[1]))
 """
 
 
@@ -88,6 +106,9 @@ class RedisStore(dist.Store):
             url, socket_connect_timeout=connect_timeout_s, socket_timeout=_BLOCK_CHUNK_S + connect_timeout_s,
             socket_keepalive=True, health_check_interval=30)
         self._compare_set = self._client.register_script(_COMPARE_SET)
+        self._set = self._client.register_script(_SET)
+        self._add = self._client.register_script(_ADD)
+        self._append = self._client.register_script(_APPEND)
         try:
             self._client.ping()
         except redis.AuthenticationError as exc:
@@ -110,40 +131,37 @@ class RedisStore(dist.Store):
     def _s(self, key: str) -> str:
         return f"{self.namespace}s:{key}"
 
-    def _signal(self, pipe, key: str) -> None:
-        pipe.xadd(self._s(key), {"w": 1}, maxlen=1, approximate=False)
+    def _signal(self, pipe, key: str, value: bytes) -> None:
+        pipe.xadd(self._s(key), {"v": value}, maxlen=1, approximate=False)
 
     # -- the Store contract --------------------------------------------------------------------
     def set(self, key: str, value) -> None:
-        with self._client.pipeline(transaction=True) as pipe:
-            pipe.set(self._k(key), _as_bytes(value))
-            self._signal(pipe, key)
-            pipe.execute()
+        self._set(keys=[self._k(key), self._s(key)], args=[_as_bytes(value)])
 
     def get(self, key: str) -> bytes:
-        value = self._client.get(self._k(key))
-        if value is None:
-            self.wait([key])
-            value = self._client.get(self._k(key))
-            if value is None:  # deleted between the wake-up and the read
-                raise StoreTimeoutError(self.namespace, [key], self.timeout)
-        return value
+        timeout = self.timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        stream = self._s(key)
+        while True:
+            remaining = deadline - time.monotonic()
+            block_ms = max(1, int(min(remaining, _BLOCK_CHUNK_S) * 1000))
+            # The stream's one entry is the current value; from 0-0 it is returned at once
+            # when the key exists, else this blocks until the key is written.
+            reply = self._client.xread({stream: "0-0"}, count=1, block=block_ms)
+            if reply:
+                return reply[0][1][0][1][b"v"]
+            if remaining <= 0:
+                raise StoreTimeoutError(self.namespace, [key], timeout)
 
     def add(self, key: str, amount: int) -> int:
-        with self._client.pipeline(transaction=True) as pipe:
-            pipe.incrby(self._k(key), amount)
-            self._signal(pipe, key)
-            return int(pipe.execute()[0])
+        return int(self._add(keys=[self._k(key), self._s(key)], args=[amount]))
 
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
         return self._compare_set(keys=[self._k(key), self._s(key)],
                                  args=[_as_bytes(expected_value), _as_bytes(desired_value)])
 
     def append(self, key: str, value) -> None:
-        with self._client.pipeline(transaction=True) as pipe:
-            pipe.append(self._k(key), _as_bytes(value))
-            self._signal(pipe, key)
-            pipe.execute()
+        self._append(keys=[self._k(key), self._s(key)], args=[_as_bytes(value)])
 
     def check(self, keys_: list[str]) -> bool:
         if not keys_:
@@ -153,15 +171,17 @@ class RedisStore(dist.Store):
     def wait(self, keys_: list[str], timeout: timedelta | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout.total_seconds()
-        missing = self._missing(keys_)
+        missing = list(dict.fromkeys(keys_))
         while missing:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            block_ms = max(1, int(min(max(remaining, 0.001), _BLOCK_CHUNK_S) * 1000))
+            # From 0-0, XREAD returns every stream that has an entry (a key that exists) at
+            # once, and otherwise blocks until one is written: one round trip when all exist.
+            reply = self._client.xread({self._s(k): "0-0" for k in missing}, count=1, block=block_ms)
+            written = {name.decode() if isinstance(name, bytes) else name for name, _ in reply or ()}
+            missing = [k for k in missing if self._s(k) not in written]
+            if missing and remaining <= 0:
                 raise StoreTimeoutError(self.namespace, missing, timeout)
-            block_ms = max(1, int(min(remaining, _BLOCK_CHUNK_S) * 1000))
-            # From id 0-0: returns at once for a key written since `_missing` looked.
-            self._client.xread({self._s(k): "0-0" for k in missing}, count=1, block=block_ms)
-            missing = self._missing(missing)
 
     def delete_key(self, key: str) -> bool:
         with self._client.pipeline(transaction=True) as pipe:
@@ -188,9 +208,10 @@ class RedisStore(dist.Store):
         if not keys_:
             return
         with self._client.pipeline(transaction=True) as pipe:
-            pipe.mset({self._k(k): _as_bytes(v) for k, v in zip(keys_, values, strict=True)})
-            for k in keys_:
-                self._signal(pipe, k)
+            encoded = [_as_bytes(v) for v in values]
+            pipe.mset({self._k(k): v for k, v in zip(keys_, encoded, strict=True)})
+            for k, v in zip(keys_, encoded, strict=True):
+                self._signal(pipe, k, v)
             pipe.execute()
 
     def has_extended_api(self) -> bool:
@@ -217,15 +238,6 @@ class RedisStore(dist.Store):
 
     def close(self) -> None:
         self._client.close()
-
-    def _missing(self, keys_: list[str]) -> list[str]:
-        if not keys_:
-            return []
-        with self._client.pipeline(transaction=False) as pipe:
-            for k in keys_:
-                pipe.exists(self._k(k))
-            present = pipe.execute()
-        return [k for k, p in zip(keys_, present, strict=True) if not p]
 
 
 def delete_matching(client: redis.Redis, pattern: str, batch: int = 1000) -> int:

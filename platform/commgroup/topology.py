@@ -111,11 +111,33 @@ class Layout:
             size *= 2
         return out
 
+    @cached_property
+    def _membership(self) -> dict[str, list[int]]:
+        """kind (or "dcp<size>") -> for each rank, the index of its group of that kind."""
+        index: dict[str, list[int]] = {}
+        named = [(kind, self.groups[kind]) for kind in GROUP_KINDS]
+        named += [(f"dcp{size}", groups) for size, groups in self.dynamic_cp_groups.items()]
+        for name, groups in named:
+            where = [0] * self.world_size
+            for i, group in enumerate(groups):
+                for r in group:
+                    where[r] = i
+            index[name] = where
+        return index
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise KeyError(f"rank {rank} is not in the world of {self.world_size}")
+
     def group_of(self, kind: str, rank: int) -> list[int]:
-        for group in self.groups[kind]:
-            if rank in group:
-                return group
-        raise KeyError(f"rank {rank} is not in the world of {self.world_size}")
+        self._check_rank(rank)
+        return self.groups[kind][self._membership[kind][rank]]
+
+    def dynamic_cp_group_of(self, size: int, rank: int) -> list[int]:
+        self._check_rank(rank)
+        if size not in self.dynamic_cp_groups:
+            raise KeyError(f"no dynamic-CP groups of size {size}; sizes: {sorted(self.dynamic_cp_groups)}")
+        return self.dynamic_cp_groups[size][self._membership[f"dcp{size}"][rank]]
 
     def tp_crosses_nodes(self) -> bool:
         return any(len({self.node_of(r) for r in g}) > 1 for g in self.groups["tp"])
