@@ -120,7 +120,7 @@ def fresh_worker(rank, world, url, ports, reps, barrier, results):
     barrier.wait()
 
 
-def reform_worker(rank, world, url, attempt, results):
+def reform_worker(rank, world, url, attempt, results, job):
     """attempt 0: form, report, wait for the failure decision, re-form as attempt 1.
     attempt 1: a replacement spawned at the decision; joins attempt 1 directly.
     The decision comes through Redis, as from the controller (a multiprocessing.Event cannot
@@ -132,14 +132,12 @@ def reform_worker(rank, world, url, attempt, results):
 
     layout = make(world)
     if attempt == 0:
-        groups = init_parallel_groups(url, job=f"reform{world}", attempt=0, rank=rank, layout=layout,
-                                      timeout=TIMEOUT)
+        groups = init_parallel_groups(url, job=job, attempt=0, rank=rank, layout=layout, timeout=TIMEOUT)
         check_groups(groups)
         results.put(("formed", rank, os.getpid(), time.time()))
-        RedisStore(url, f"control:reform{world}:", timedelta(hours=1)).wait(["go"])
+        RedisStore(url, f"control:{job}:", timedelta(hours=1)).wait(["go"])
         groups.teardown()  # its peer is dead: abort, never a hanging destroy
-    groups = init_parallel_groups(url, job=f"reform{world}", attempt=1, rank=rank, layout=layout,
-                                  timeout=TIMEOUT)
+    groups = init_parallel_groups(url, job=job, attempt=1, rank=rank, layout=layout, timeout=TIMEOUT)
     check_groups(groups)
     results.put(("reformed", rank, os.getpid(), time.time()))
     dist.barrier()
@@ -186,7 +184,17 @@ def measure_fresh(world: int, reps: int, url: str) -> dict:
             "ratio": round(theirs / ours, 3), "reps": reps, "ours_breakdown": breakdown[0]}
 
 
-def measure_reform(world: int, url: str) -> dict:
+def measure_reform(world: int, url: str, reps: int) -> dict:
+    runs = [reform_once(world, url, rep) for rep in range(reps)]
+    ours = statistics.median(r[0] for r in runs)
+    respawn = statistics.median(r[1] for r in runs)
+    log(f"reform world {world} (median of {reps}): longrun {ours:.2f} s, kill-all + respawn {respawn:.2f} s "
+        f"(x{respawn / ours:.1f}); runs {[(round(a, 2), round(b, 2)) for a, b in runs]}")
+    return {"world": world, "ours_s": round(ours, 3), "respawn_s": round(respawn, 3),
+            "speedup": round(respawn / ours, 2), "reps": reps}
+
+
+def reform_once(world: int, url: str, rep: int) -> tuple[float, float]:
     from longrun.services.ports import free_port
 
     ctx = mp.get_context("spawn")
@@ -196,15 +204,16 @@ def measure_reform(world: int, url: str) -> dict:
 
     # longrun: survivors re-form in place, one replacement is spawned at the decision.
     results = ctx.Queue()
-    control = RedisStore(url, f"control:reform{world}:")
-    procs = [ctx.Process(target=reform_worker, args=(r, world, url, 0, results)) for r in range(world)]
+    job = f"reform{world}-{rep}"
+    control = RedisStore(url, f"control:{job}:")
+    procs = [ctx.Process(target=reform_worker, args=(r, world, url, 0, results, job)) for r in range(world)]
     for p in procs:
         p.start()
     formed = {r: pid for _, r, pid, _ in (results.get(timeout=600) for _ in range(world))}
     os.kill(formed[victim], signal.SIGKILL)
     decision = time.time()
     control.set("go", b"1")
-    replacement = ctx.Process(target=reform_worker, args=(victim, world, url, 1, results))
+    replacement = ctx.Process(target=reform_worker, args=(victim, world, url, 1, results, job))
     replacement.start()
     done = [results.get(timeout=600) for _ in range(world)]
     ours = max(t for *_, t in done) - decision
@@ -229,10 +238,7 @@ def measure_reform(world: int, url: str) -> dict:
     respawn = max(t for *_, t in done) - decision
     for p in procs:
         p.join(60)
-    log(f"reform world {world}: longrun {ours:.2f} s, kill-all + respawn {respawn:.2f} s "
-        f"(x{respawn / ours:.1f})")
-    return {"world": world, "ours_s": round(ours, 3), "respawn_s": round(respawn, 3),
-            "speedup": round(respawn / ours, 2)}
+    return ours, respawn
 
 
 def sim_plan(ranks: int, mine: range):
@@ -399,6 +405,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="world 8 only, store 1,024 ranks")
     parser.add_argument("--reps", type=int, default=None, help="fresh bring-up repeats (median reported)")
+    parser.add_argument("--only", choices=("fresh", "reform", "store"), action="append",
+                        help="run only these measurements (repeatable); default: all three")
     args = parser.parse_args()
     worlds = [8] if args.quick else [8, 16, 32]
     reform_world = 8 if args.quick else 16
@@ -409,23 +417,26 @@ def main() -> None:
 
     with EmbeddedRedis() as server:
         server.client().config_set("maxclients", 10000)
-        fresh = [measure_fresh(w, reps, server.url) for w in worlds]
-        reform = measure_reform(reform_world, server.url)
-        store = [measure_store(n, server.url) for n in store_ranks]
+        only = set(args.only or ("fresh", "reform", "store"))
+        fresh = [measure_fresh(w, reps, server.url) for w in worlds] if "fresh" in only else []
+        reform_reps = 1 if args.quick else 3
+        reform = measure_reform(reform_world, server.url, reform_reps) if "reform" in only else None
+        store = [measure_store(n, server.url) for n in store_ranks] if "store" in only else []
     print(f"{'measurement':<28}{'longrun':>12}{'baseline':>12}{'ratio':>8}")
     for f in fresh:
         print(f"{'fresh world ' + str(f['world']):<28}{f['ours_s']:>11.3f}s{f['torch_default_s']:>11.3f}s"
               f"{f['ratio']:>8.2f}")
-    label = f"reform world {reform['world']}"
-    print(f"{label:<28}{reform['ours_s']:>11.2f}s{reform['respawn_s']:>11.2f}s{reform['speedup']:>8.2f}")
+    if reform:
+        label = f"reform world {reform['world']}"
+        print(f"{label:<28}{reform['ours_s']:>11.2f}s{reform['respawn_s']:>11.2f}s{reform['speedup']:>8.2f}")
     for s in store:
         print(f"{'store ' + str(s['ranks']) + ' ranks (pipelined)':<28}{s['redis_s']:>11.2f}s"
               f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_s']:>8.2f}")
         if s["redis_store_api_s"] is not None:
             print(f"{'store ' + str(s['ranks']) + ' ranks (Store API)':<28}{s['redis_store_api_s']:>11.2f}s"
                   f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_store_api_s']:>8.2f}")
-    print(json.dumps({"reform": reform, "fresh": fresh[-1], "store": store[-1], "fresh_all": fresh,
-                      "store_all": store}))
+    print(json.dumps({"reform": reform, "fresh": fresh[-1] if fresh else None,
+                      "store": store[-1] if store else None, "fresh_all": fresh, "store_all": store}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -79,9 +80,17 @@ def test_redis_missing_binary_is_a_clear_error(monkeypatch):
 
 
 def test_redis_start_failure_reports_the_log():
-    # A port outside the valid range makes redis-server exit at once, with its reason logged.
-    with pytest.raises(ServiceError, match="exited with code"):
-        EmbeddedRedis(port=70000).start()
+    # A port that is already taken makes redis-server exit at once, with its reason logged.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ServiceError, match=r"exited with code[\s\S]*already in use"):
+            EmbeddedRedis(port=taken.getsockname()[1]).start()
+
+
+def test_redis_port_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="between 1 and 65535"):
+        EmbeddedRedis(port=70000)
 
 
 def test_redis_url_needs_a_running_server():

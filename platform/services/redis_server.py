@@ -53,6 +53,8 @@ class EmbeddedRedis:
         tls: TlsFiles | None = None,
         start_timeout_s: float = 15.0,
     ):
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port must be between 1 and 65535 (or None for a free one), got {port}")
         self.host = host
         self.requested_port = port
         self.password = password or secrets.token_urlsafe(24)
