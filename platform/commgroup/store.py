@@ -228,9 +228,7 @@ class RedisStore(dist.Store):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _pattern(self, sub: str = "") -> str:
-        # Escape glob characters of the namespace so SCAN matches it literally.
-        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.namespace)
-        return f"{escaped}{sub}*"
+        return f"{glob_escape(self.namespace)}{sub}*"
 
     def delete_namespace(self) -> int:
         """Delete every key of this namespace (an attempt's store when the attempt ends)."""
@@ -238,6 +236,11 @@ class RedisStore(dist.Store):
 
     def close(self) -> None:
         self._client.close()
+
+
+def glob_escape(text: str) -> str:
+    """`text` as a literal in a Redis SCAN/KEYS glob pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def delete_matching(client: redis.Redis, pattern: str, batch: int = 1000) -> int:
@@ -255,5 +258,4 @@ def delete_matching(client: redis.Redis, pattern: str, batch: int = 1000) -> int
 
 def delete_attempt_keys(client: redis.Redis, job: str, attempt: int) -> int:
     """Everything an attempt owned (store, heartbeats): called when the attempt ends."""
-    escaped = "".join("\\" + c if c in "*?[]\\" else c for c in keys.attempt_prefix(job, attempt))
-    return delete_matching(client, escaped + "*")
+    return delete_matching(client, glob_escape(keys.attempt_prefix(job, attempt)) + "*")
