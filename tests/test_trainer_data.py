@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import numpy as np
@@ -112,6 +113,37 @@ def test_directory_files_are_recursive_filtered_and_sorted(tmp_path):
     corpus = FileCorpus(tmp_path, ["*.py", "*.md"], 32, TOK)
     assert [str(f) for f in corpus.files] == ["a/a.py", "a/b/c.py", "m.md", "z.py"]
     assert corpus[0].tolist() == [TOK.BOS, ord("a"), TOK.EOS]
+
+
+def test_files_with_nul_bytes_are_skipped_with_one_warning(tmp_path, caplog):
+    (tmp_path / "good.py").write_text("x = 1\n")
+    (tmp_path / "blob.py").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with caplog.at_level(logging.WARNING, logger="longrun.trainer.data"):
+        corpus = FileCorpus(tmp_path, ["*.py"], 32, TOK)
+    assert [str(f) for f in corpus.files] == ["good.py"]
+    assert [str(f) for f in corpus.skipped_binary] == ["blob.py"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "blob.py" in warnings[0].getMessage()
+    assert "not text" in warnings[0].getMessage()
+
+
+def test_only_invalid_utf8_files_is_an_error_naming_them(tmp_path):
+    (tmp_path / "latin1.py").write_bytes("s = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"not text.*latin1\.py"):
+        FileCorpus(tmp_path, ["*.py"], 32, TOK)
+
+
+def test_multibyte_character_cut_by_the_sniff_boundary_is_kept(tmp_path, caplog):
+    data = ("a" * 8191 + "é" * 100).encode("utf-8")  # byte 8192 is the middle of an "é"
+    (tmp_path / "long.py").write_bytes(data)
+    with caplog.at_level(logging.WARNING, logger="longrun.trainer.data"):
+        corpus = FileCorpus(tmp_path, ["*.py"], 1 << 14, TOK)
+    assert [str(f) for f in corpus.files] == ["long.py"] and corpus.skipped_binary == []
+    assert corpus.num_tokens == len(data) + 2
+    assert not caplog.records
+    (tmp_path / "long.py").write_bytes(data[:8192])  # the whole file ends mid-character
+    with pytest.raises(DataError, match="not text"):
+        FileCorpus(tmp_path, ["*.py"], 1 << 14, TOK)
 
 
 def test_stdlib_corpus_is_the_standard_library():

@@ -159,6 +159,9 @@ class TrainingSection(Section):
     betas: tuple[Annotated[float, Field(gt=0, lt=1)], Annotated[float, Field(gt=0, lt=1)]] = (0.9, 0.95)
     grad_clip: NonNegativeFloat = Field(1.0, description="Max global grad norm; 0 disables clipping.")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    grad_sync_bucket_mb: PositiveFloat = Field(
+        25.0, description="Data-parallel gradient bucket size; smaller starts communication sooner."
+    )
     log_every: PositiveInt = 1
 
 
@@ -166,7 +169,13 @@ class CheckpointSection(Section):
     dir: str | None = Field(None, description="fsspec URL; null = <output_dir>/<job>/checkpoints.")
     interval_steps: PositiveInt = 50
     keep_last: PositiveInt = Field(3, description="Committed checkpoints kept (the newest is never deleted).")
-    async_save: bool = True
+    async_save: bool = Field(True, description="Write in the background; false waits for each commit.")
+    when_busy: Literal["wait", "skip"] = Field(
+        "wait", description="A save due while the previous one is still being written: wait for it, or skip."
+    )
+    commit_timeout_s: PositiveFloat = Field(
+        600.0, description="How long the committing rank waits for every rank's shards."
+    )
 
 
 FaultKind = Literal["kill", "hang", "raise", "nan", "slow"]

@@ -6,7 +6,10 @@
 One optimizer step runs `training.grad_accum` micro-batches. The loss is normalised per token:
 each micro-batch's summed token losses are divided by the number of loss tokens in the *whole
 step*, so the gradient is that of the step's mean token loss however the tokens happen to be
-split into micro-batches (packing makes micro-batch sizes vary).
+split into micro-batches (packing makes micro-batch sizes vary). With data parallelism the
+count is summed over the ranks first and the ranks' gradients are summed (`parallel.py`), so
+the result is the gradient of the global batch's mean token loss, however the documents were
+split across ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from longrun.config import JobConfig
@@ -34,8 +38,10 @@ from longrun.trainer.packing import (
     IGNORE_INDEX,
     MicroBatch,
     Prefetcher,
+    build_micro_batch,
     packed_micro_batches,
 )
+from longrun.trainer.parallel import DataParallel
 from longrun.trainer.schedule import build_scheduler
 from longrun.trainer.tokenizer import ByteTokenizer
 
@@ -74,7 +80,7 @@ class StepMetrics:
     lr: float  # learning rate this step used
     tokens: int  # input tokens in the step
     tokens_per_s: float
-    step_time_s: float  # data wait included
+    step_time_s: float  # data wait included; tokens and tokens_per_s are this rank's
     data_wait_s: float  # time blocked on the data pipeline
     mfu: float | None  # model FLOPs utilisation; None without a peak FLOPs figure
     memory_bytes: int  # peak CUDA memory allocated this step, or the process's peak RSS on CPU
@@ -135,7 +141,12 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every generator's state as tensors and plain Python values only, so a checkpoint of
+    it loads with `torch.load(weights_only=True)` (which refuses numpy arrays)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                       float(gauss)),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -144,7 +155,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss,
+                         gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -179,7 +192,7 @@ class Trainer:
     bitwise-exact resume needs."""
 
     def __init__(self, cfg: JobConfig, device: torch.device | str | None = None, *,
-                 dp_rank: int = 0, dp_size: int = 1, peak_flops: float | None = None,
+                 dp_group: dist.ProcessGroup | None = None, peak_flops: float | None = None,
                  progress: bool = True):
         self.cfg = cfg
         self.device = resolve_device(cfg.cluster.device, device)
@@ -187,13 +200,18 @@ class Trainer:
         seed_everything(cfg.job.seed)
         # Initialised on the CPU, then moved: the same weights whatever the device.
         self.model = Transformer(cfg.model).to(self.device)
+        self.tokenizer = ByteTokenizer(cfg.model.vocab_size)
+        self.dp = DataParallel(self.model, dp_group, bucket_mb=cfg.training.grad_sync_bucket_mb,
+                               prime=self._priming_loss)
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
-        self.tokenizer = ByteTokenizer(cfg.model.vocab_size)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
         self.sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed,
-                                       dp_rank=dp_rank, dp_size=dp_size)
+                                       dp_rank=self.dp.rank, dp_size=self.dp.size)
         self.step = 0
+        # Called right before the optimizer changes the weights (a checkpoint copy in flight
+        # must finish first).
+        self.before_update: list[Callable[[], None]] = []
         # Sampler position after the last micro-batch consumed by a *completed* step.
         self._data_state = self.sampler.state_dict()
         self._prefetcher: Prefetcher[MicroBatch] | None = None
@@ -225,26 +243,39 @@ class Trainer:
         self.close()
 
     # -- one step ----------------------------------------------------------------------------
+    def _summed_token_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        mb = mb.to(self.device, non_blocking=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.cfg.training.dtype == "bfloat16"):
+            logits = model(mb.tokens, mb.positions, mb.cu_seqlens)
+        return F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def _priming_loss(self, model: torch.nn.Module) -> torch.Tensor:
+        """A two-token document through the whole model: enough for DDP to learn the order
+        in which gradients become ready (see parallel.py), at next to no cost."""
+        return self._summed_token_loss(
+            model, build_micro_batch([np.array([self.tokenizer.BOS, self.tokenizer.EOS])]))
+
     def forward_backward(self, batches: list[MicroBatch]) -> tuple[float, float]:
-        """Accumulate into .grad the gradient of the mean token loss over all `batches`;
-        return that loss and the step's training FLOPs (model FLOPs, for MFU)."""
-        # With data parallelism this count is all-reduced, so every rank divides by the same.
-        loss_tokens = max(sum(mb.n_tokens for mb in batches), 1)
+        """Accumulate into .grad the gradient of the global batch's mean token loss (all
+        `batches` of every data-parallel rank); return that loss and this rank's training
+        FLOPs (model FLOPs, for MFU)."""
+        # Summed over the ranks before any backward, so every rank divides by the same count.
+        loss_tokens = self.dp.all_reduce_sum(
+            torch.tensor(sum(mb.n_tokens for mb in batches), device=self.device))
+        loss_tokens.clamp_(min=1)
         loss_sum = torch.zeros((), device=self.device)
         flops = 0.0
-        for mb in batches:
+        for i, mb in enumerate(batches):
             lens = mb.seq_lens.astype(np.float64)
             # sum(l^2)/sum(l) makes the PaLM attention term exact for packed documents.
             flops += self.model.flops_per_token((lens**2).sum() / lens.sum()) * len(mb.tokens)
-            mb = mb.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                enabled=self.cfg.training.dtype == "bfloat16"):
-                logits = self.model(mb.tokens, mb.positions, mb.cu_seqlens)
-            loss = F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-            (loss / loss_tokens).backward()
+            with self.dp.micro_batch(last=i == len(batches) - 1):
+                loss = self._summed_token_loss(self.dp.forward, mb)
+                (loss / loss_tokens).backward()
             loss_sum += loss.detach()
-        return (loss_sum / loss_tokens).item(), flops
+        return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (before clipping); clipped to training.grad_clip unless 0."""
@@ -279,6 +310,8 @@ class Trainer:
             # state_dict() and a retry in this process agree with the weights.
             self.close()
             raise
+        for hook in self.before_update:
+            hook()
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1

@@ -155,6 +155,19 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout) -> Tensor:
     return _VARLEN(q, k, v, cu, cu, m, m, **causal)
 
 
+def attention_backend(device: torch.device | str) -> str:
+    """The kernel packed attention uses on `device` in half precision right now:
+    "varlen_flash" (torch.nn.attention.varlen) or "bucketed_sdpa", with the reason for the
+    latter after a colon (for benchmarks and logs)."""
+    if torch.device(device).type != "cuda":
+        return "bucketed_sdpa: not CUDA"
+    if _VARLEN is None:
+        return "bucketed_sdpa: this torch has no varlen_attn"
+    if _varlen_broken:
+        return "bucketed_sdpa: varlen_attn failed on this GPU"
+    return "varlen_flash"
+
+
 def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout) -> Tensor:
     """Causal attention within each document of a packed stream. q [T, H, D], k/v [T, KV, D]
     with KV dividing H (grouped-query). Returns [T, H, D].

@@ -1,0 +1,193 @@
+"""MFU of a ~1B-parameter Llama-style model on one GPU, trained through the longrun Trainer.
+
+    .venv/bin/python bench/mfu_gpu.py                        # on a GPU machine
+    .venv/bin/python bench/mfu_gpu.py --quick                # fewer steps
+    .venv/bin/python bench/mfu_gpu.py --peak-tflops 989.4    # a GPU not in the table below
+    .venv/bin/python bench/mfu_gpu.py --device cpu --tiny    # CPU dry run of the code path (hidden flags)
+
+Target: >= 50% MFU on an H100 SXM (bf16, dense peak 989.4 TFLOP/s).
+
+The model: dim 2048, 16 layers, 16 heads of 128, 8 KV heads (GQA), SwiGLU hidden 8192, max_seq_len
+4096, vocab 260 (the byte tokenizer, so the embedding is negligible): 1.007e9 parameters without
+the embedding (the Llama 3.2 1B shape, with 128-wide heads). bf16 autocast (training.dtype
+'bfloat16'), fp32 master weights, fused AdamW, cluster.device 'cuda'. Data is synthetic
+(data.source 'synthetic': lognormal document lengths, mean 1024, chunked to 4096) so no
+corpus read matters. By default a step is 4 micro-batches of 8192 packed tokens.
+
+`Trainer(cfg, peak_flops=...)` measures each step itself (data wait, forward/backward,
+clipping, optimizer, a device synchronise at the end) and reports MFU with the PaLM FLOPs
+count (6 N per token for the matmuls + the attention term, exact for packed documents via
+sum(l^2) / sum(l)). After W warm-up steps, N timed steps; the medians of the Trainer's own
+MFU and tokens/s are reported. The peak comes from a small table matched on
+torch.cuda.get_device_name() (H100 SXM / H200 989.4, H100 PCIe 756, A100 312 TFLOP/s bf16
+dense), or --peak-tflops; with neither, MFU is null and achieved TFLOP/s is still reported.
+
+The attention kernel: model.py uses torch's varlen flash attention
+(torch.nn.attention.varlen.varlen_attn) for CUDA tensors in half precision when torch has it,
+and falls back for good to bucketed SDPA if a call fails. Reported: the path model.py took
+(read from its module state after the run) and the attention operators seen in one extra,
+profiled, untimed step.
+
+Without a CUDA device the script prints why to stderr and {"skipped": "no CUDA device"} as
+its last line, and exits 0. `--device cpu --tiny` (hidden flags) runs the same code path on
+the CPU with a tiny model (dim 64, 2 layers) for 1 warm-up + 1 timed step + the profiled
+step, with a placeholder peak of 1 TFLOP/s: a check that the script works, not a measurement.
+Progress goes to stderr; the last line on stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+
+import torch
+
+from longrun.config import config_from_dict
+from longrun.trainer import Trainer
+from longrun.trainer import model as model_module
+
+# bf16 dense peak FLOP/s, matched in order as substrings of torch.cuda.get_device_name().
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989.4e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+)
+MODEL_1B = {"dim": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 8192,
+            "max_seq_len": 4096, "vocab_size": 260}
+MODEL_TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 256,
+              "vocab_size": 260}
+TINY_PEAK = 1e12  # placeholder for the CPU dry run
+ATTENTION_OPS = ("attention", "attn", "flash", "varlen", "scaled_dot_product")
+
+
+def log(msg: str) -> None:
+    print(f"[mfu_gpu] {msg}", file=sys.stderr, flush=True)
+
+
+def peak_for(name: str) -> float | None:
+    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name.lower()), None)
+
+
+def make_config(model: dict, device: str, tokens: int, grad_accum: int, steps: int):
+    return config_from_dict({
+        "job": {"name": "bench-mfu-gpu", "seed": 0},
+        "cluster": {"device": device},
+        "model": model,
+        "data": {"source": "synthetic", "micro_batch_tokens": tokens, "prefetch": 4},
+        "training": {"steps": steps, "warmup_steps": min(10, steps), "grad_accum": grad_accum,
+                     "dtype": "bfloat16"},
+    })
+
+
+def attention_path(device: torch.device) -> str:
+    """Which branch of model.packed_causal_attention the run took (bf16 autocast: half q/k/v)."""
+    return model_module.attention_backend(device)
+
+
+def profiled_attention_ops(trainer: Trainer) -> dict[str, int | str]:
+    """Attention-related operator (and, on CUDA, kernel) names in one profiled step, with counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        trainer.train_step()
+    return {e.key: e.count for e in prof.key_averages()
+            if any(word in e.key.lower() for word in ATTENTION_OPS)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 warm-up + 4 timed steps")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps; default 3 (--quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (--quick 4)")
+    parser.add_argument("--tokens", type=int, default=8192, help="data.micro_batch_tokens (default 8192)")
+    parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default 4)")
+    parser.add_argument("--layers", type=int, default=MODEL_1B["n_layers"], help="model.n_layers")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's bf16 dense peak in TFLOP/s (overrides the table)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: this benchmark measures GPU MFU and needs one; skipped "
+            "(`--device cpu --tiny` dry-runs the code path on the CPU)")
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return
+
+    if args.tiny:
+        model, tokens, grad_accum, warmup, steps = MODEL_TINY, 512, 1, 1, 1
+    else:
+        model, tokens, grad_accum = {**MODEL_1B, "n_layers": args.layers}, args.tokens, args.grad_accum
+        warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+        steps = args.steps or (4 if args.quick else 10)
+
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.peak_tflops:
+        peak, source = args.peak_tflops * 1e12, "--peak-tflops"
+    elif args.device == "cuda":
+        peak, source = peak_for(gpu), "table"
+    else:
+        peak, source = TINY_PEAK, "dry-run placeholder"
+    if peak is None:
+        log(f"{gpu!r} is not in the peak-FLOPs table; MFU will be null (give --peak-tflops)")
+
+    cfg = make_config(model, args.device, tokens, grad_accum, warmup + steps + 1)
+    trainer = Trainer(cfg, peak_flops=peak, progress=False)
+    n_params = trainer.model.num_params()
+    n_body = trainer.model.num_params(exclude_embedding=True)
+    log(f"{gpu}: peak {peak / 1e12 if peak else float('nan'):.1f} TFLOP/s ({source}); model {model}: "
+        f"{n_params:,} parameters, {n_body:,} without the embedding; {tokens} tokens x {grad_accum} "
+        f"micro-batches per step, bf16; {warmup} warm-up + {steps} timed steps")
+
+    timed = []
+    try:
+        for i in range(warmup + steps):
+            m = trainer.train_step()
+            phase = "warm-up" if i < warmup else "timed"
+            mfu = f"{100 * m.mfu:.1f}%" if m.mfu is not None else "n/a"
+            log(f"step {m.step} ({phase}): {m.step_time_s * 1e3:.0f} ms, {m.tokens_per_s:,.0f} tok/s, "
+                f"mfu {mfu}, loss {m.loss:.3f}, data wait {m.data_wait_s * 1e3:.1f} ms, "
+                f"mem {m.memory_bytes / 2**30:.1f} GiB")
+            if i >= warmup:
+                timed.append(m)
+        try:  # the profiler is a diagnostic: the measurement stands without it
+            ops = profiled_attention_ops(trainer)
+        except Exception as exc:
+            ops = {"profiler failed": f"{type(exc).__name__}: {exc}"}
+    finally:
+        trainer.close()
+
+    path = attention_path(trainer.device)
+    tok_s = statistics.median(m.tokens_per_s for m in timed)
+    mfu = statistics.median(m.mfu for m in timed) if peak else None
+    # Achieved model TFLOP/s, from the same FLOPs count the Trainer's MFU uses.
+    tflops = mfu * peak / 1e12 if peak else None
+    log(f"attention: {path}; profiled ops: {ops}")
+    log(f"median over {steps} steps: {tok_s:,.0f} tok/s"
+        + (f", {tflops:.2f} TFLOP/s, MFU {100 * mfu:.1f}%" if peak else "")
+        + (" (dry run: not a measurement)" if args.device == "cpu" else " (target >= 50% on an H100)"))
+    print(json.dumps({
+        "mfu": round(mfu, 4) if mfu is not None else None, "tokens_per_s": round(tok_s, 1),
+        "model_tflops": round(tflops, 2) if tflops is not None else None,
+        "step_time_s": round(statistics.median(m.step_time_s for m in timed), 4),
+        "memory_gib": round(max(m.memory_bytes for m in timed) / 2**30, 2),
+        "attention": path, "attention_ops": ops,
+        "device": gpu, "peak_tflops": peak / 1e12 if peak else None, "peak_source": source,
+        "params": n_params, "params_non_embedding": n_body,
+        "config": {**model, "micro_batch_tokens": tokens, "grad_accum": grad_accum, "dtype": "bfloat16",
+                   "data": "synthetic", "warmup": warmup, "steps": steps, "torch": torch.__version__},
+        "dry_run": args.device == "cpu",
+    }))
+
+
+if __name__ == "__main__":
+    main()
