@@ -4,18 +4,24 @@
     longrun config validate examples/tiny.yaml
     longrun config show examples/tiny.yaml --set parallelism.dp=2
     longrun doctor
+    longrun checkpoint list runs/tiny/checkpoints
+    longrun checkpoint inspect runs/tiny/checkpoints --step 120 --verify
+    longrun checkpoint export runs/tiny/checkpoints --out tiny.safetensors
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich_argparse import RichHelpFormatter
 
@@ -63,7 +69,55 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", formatter_class=RichHelpFormatter,
                             help="check this machine: torch, ray, redis-server, prometheus, ports, GPUs")
     doctor.set_defaults(func=cmd_doctor)
+    _add_checkpoint_parser(sub)
     return parser
+
+
+def _add_checkpoint_parser(sub) -> None:
+    ckpt = sub.add_parser("checkpoint", formatter_class=RichHelpFormatter,
+                          help="list, inspect, verify or export the checkpoints of a job",
+                          description="Read a checkpoint root (any fsspec URL: a path, s3://..., "
+                          "memory://...); nothing under it is changed.")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+
+    def action(name: str, func, summary: str, description: str) -> argparse.ArgumentParser:
+        p = ckpt_sub.add_parser(name, formatter_class=RichHelpFormatter, help=summary,
+                                description=description)
+        p.add_argument("dir", nargs="?", metavar="DIR",
+                       help="the checkpoint root (step-NNNNNNNN/ directories and `latest`)")
+        p.add_argument("--config", type=Path, metavar="JOB.yaml",
+                       help="take the root from a job config (its checkpoint.dir) instead of DIR")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a value of --config, e.g. --set job.output_dir=/data/runs")
+        p.set_defaults(func=func, parser=p)
+        return p
+
+    ls = action("list", cmd_checkpoint_list, "the committed steps, and saves in progress",
+                "List the committed checkpoints (step, time, size, shards, layout; the one `latest` "
+                "names is marked) and the step-N.tmp directories of saves in progress or abandoned. "
+                "Exit 2 if there are none.")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    inspect = action("inspect", cmd_checkpoint_inspect,
+                     "one checkpoint: manifest, model config, parameter count; --verify its shards",
+                     "Show a committed checkpoint: its manifest, the model config it was trained "
+                     "with and the parameter count of its weights. --verify re-hashes every shard "
+                     "against the manifest's SHA-256 (exit 1 if any is corrupt or missing).")
+    inspect.add_argument("--step", type=int, help="the step (default: the newest committed)")
+    inspect.add_argument("--verify", action="store_true", help="re-check every shard's checksum")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    export = action("export", cmd_checkpoint_export,
+                    "write the model weights to one file (safetensors or torch)",
+                    "Write the model state_dict of a committed checkpoint to one file that loads "
+                    "without longrun: safetensors (model config and step in its metadata) or a "
+                    "torch.save file. The shard's checksum is verified first.")
+    export.add_argument("--out", required=True, metavar="FILE",
+                        help="the file to write (a path or fsspec URL); .safetensors or .pt")
+    export.add_argument("--step", type=int, help="the step (default: the newest committed)")
+    export.add_argument("--format", choices=("safetensors", "torch"),
+                        help="default: from the extension of --out")
+    export.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 def _load(args) -> JobConfig:
@@ -99,6 +153,133 @@ def cmd_doctor(args) -> int:
         out.print(f"[red]missing or broken:[/] {', '.join(failed)}")
         return 1
     out.print("[green]ready[/]")
+    return 0
+
+
+def _checkpoint_root(args) -> str:
+    if (args.dir is None) == (args.config is None):
+        args.parser.error("give the checkpoint root as DIR, or a job config with --config (not both)")
+    if args.config is None:
+        if args.overrides:
+            args.parser.error("--set applies to --config")
+        return args.dir
+    return load_config(args.config, args.overrides).checkpoint_dir
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _when(unix: float | None) -> str:
+    return "?" if not unix else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=1, default=str))
+
+
+def cmd_checkpoint_list(args) -> int:
+    from longrun.checkpoint.export import list_checkpoints
+
+    listing = list_checkpoints(_checkpoint_root(args))
+    if args.json:
+        _print_json(listing.to_json())
+    else:
+        table = Table(title=f"checkpoints in {escape(listing.root)}")
+        for col in ("step", "created", "size", "shards", "world/dp", "latest"):
+            table.add_column(col, justify="right" if col in ("step", "size", "shards") else "left")
+        for e in listing.steps:
+            if e.error:
+                table.add_row(str(e.step), f"[red]unreadable manifest[/]: {escape(e.error)}", "", "", "", "")
+                continue
+            table.add_row(str(e.step), _when(e.created_unix), _size(e.total_bytes), str(e.shards),
+                          f"{e.world_size}/{e.dp_size}", "[green]<- latest[/]" if e.latest else "")
+        if listing.steps:
+            out.print(table)
+        for p in listing.pending:
+            out.print(f"[yellow]in progress or abandoned[/]: {escape(p.path)} ({p.files} files, "
+                      f"{_size(p.total_bytes)}; not a checkpoint until committed)", highlight=False)
+        if listing.latest_problem:
+            out.print(f"[yellow]note[/]: {escape(listing.latest_problem)}", highlight=False)
+    if not listing.steps:
+        console.print(f"[red]error[/]: no committed checkpoint under {escape(listing.root)} "
+                      f"(only {len(listing.pending)} save(s) in progress or abandoned)", highlight=False)
+        return 2
+    return 0
+
+
+def _key_values(rows, title: str | None = None) -> Table:
+    table = Table(title=title, show_header=False, box=None, title_justify="left", padding=(0, 2, 0, 2))
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def cmd_checkpoint_inspect(args) -> int:
+    from longrun.checkpoint.export import inspect_checkpoint
+
+    result = inspect_checkpoint(_checkpoint_root(args), args.step, verify=args.verify)
+    failed = bool(result.corrupt) or result.weights_error is not None
+    if args.json:
+        _print_json(result.to_json())
+        return 1 if failed else 0
+    m = result.manifest
+    out.print(f"[bold]{escape(result.path)}[/]" + (" [green](latest)[/]" if result.latest else ""),
+              highlight=False)
+    out.print(_key_values([
+        ("step", str(m.step)),
+        ("created", _when(m.created_unix)),
+        ("layout", f"{m.world_size} rank(s), data-parallel {m.dp_size}"),
+        ("fingerprint", m.config_fingerprint),
+        ("format", str(m.format)),
+        ("files", f"{len(m.files)}, {_size(sum(f.bytes for f in m.files.values()))}: "
+                  + ", ".join(sorted(m.files))),
+    ]))
+    out.print(_key_values([(k, json.dumps(v)) for k, v in m.model.items()], title="model"))
+    w = result.weights
+    if w is not None:
+        dtypes = ", ".join(sorted(w.dtypes))
+        tied = f"; tied: {' = '.join(w.tied)}" if w.tied else ""
+        out.print(f"[bold]parameters[/]: {w.parameters:,} ({w.tensors} tensors, {dtypes}, "
+                  f"{_size(w.bytes)}{tied})", highlight=False)
+    else:
+        out.print(f"[red]weights unreadable[/]: {escape(result.weights_error)}", highlight=False)
+    if result.checks is not None:
+        table = Table(title="verify")
+        for col in ("file", "bytes", "status", "detail"):
+            table.add_column(col, justify="right" if col == "bytes" else "left")
+        for c in result.checks:
+            status = f"[green]{c.status}[/]" if c.status == "OK" else f"[red]{c.status}[/]"
+            table.add_row(c.name, f"{c.bytes:,}", status, c.detail)
+        out.print(table)
+        if result.corrupt:
+            out.print(f"[red]CORRUPT[/]: {len(result.corrupt)} of {len(result.checks)} shards do not "
+                      f"match the manifest: {', '.join(result.corrupt)}", highlight=False)
+        else:
+            out.print(f"[green]all {len(result.checks)} shards OK[/]")
+    return 1 if failed else 0
+
+
+def cmd_checkpoint_export(args) -> int:
+    from longrun.checkpoint.export import export_weights
+
+    root = _checkpoint_root(args)
+    with console.status(f"exporting the model weights of {root} to {args.out}"):
+        result = export_weights(root, args.out, step=args.step, fmt=args.format, overwrite=args.force)
+    out.print(f"[green]wrote[/] {escape(result.out)} ({result.format}, {_size(result.bytes)}): "
+              f"{result.parameters:,} parameters in {result.tensors} tensors from {escape(result.source)}",
+              highlight=False)
     return 0
 
 
@@ -143,7 +324,12 @@ def cmd_run(args) -> int:
             console.print(f"[cyan]state[/] {state}: {reason}")
 
         summary = run_job(cfg, redis_url, on_state=on_state)
-    console.print(f"[green]done[/]: {summary['step']} steps, final loss {summary['loss']:.4f}")
+    done = f"[green]done[/]: {summary['step']} steps"
+    if summary.get("resumed_from"):
+        done += f" (resumed from step {summary['resumed_from']})"
+    if summary.get("loss") is not None:
+        done += f", final loss {summary['loss']:.4f}"
+    console.print(done)
     return 0
 
 
@@ -160,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]interrupted[/]")
         return 130
     except Exception as exc:
+        if args.command == "checkpoint":
+            return _checkpoint_error(exc)
         from longrun.controller.driver import JobFailed, UnsupportedJob
         from longrun.services import ServiceError
 
@@ -167,6 +355,21 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]error[/]: {exc}", highlight=False)
             return 1
         raise
+
+
+def _checkpoint_error(exc: Exception) -> int:
+    """Exit 2 for a wrong request (no such directory or step, bad --out), 1 for a checkpoint
+    that cannot be read (corrupt shard, bad manifest)."""
+    from longrun.checkpoint import CorruptShardError, ManifestError
+    from longrun.checkpoint.export import CheckpointNotFound, ExportError
+
+    if isinstance(exc, CheckpointNotFound | ExportError):
+        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        return 2
+    if isinstance(exc, CorruptShardError | ManifestError):
+        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        return 1
+    raise exc
 
 
 if __name__ == "__main__":

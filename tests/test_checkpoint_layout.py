@@ -60,3 +60,27 @@ def test_latest_pointer(fs_root):
     layout.write_latest(fs, root, 30)
     assert layout.read_latest(fs, root) == 30
     assert not fs.exists(f"{root}/{layout.LATEST}.tmp")
+
+
+def _names(fs, root):
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+
+
+def test_retention_keeps_the_newest_committed_and_ignores_tmp_in_the_count(fs_root):
+    fs, root = fs_root
+    for step in (10, 20, 30):
+        _commit(fs, root, step)
+    _commit(fs, root, 35, manifest=False)  # half-committed (object store): abandoned
+    for step in (5, 40):
+        fs.makedirs(f"{root}/{layout.tmp_dir_name(step)}", exist_ok=True)
+        fs.pipe_file(f"{root}/{layout.tmp_dir_name(step)}/rank-0.pt", b"x")
+    removed = layout.apply_retention(fs, root, keep_last=2, committed=38)
+    # Two committed are kept although a .tmp is newer; abandoned dirs older than the commit
+    # go; step 40's .tmp may be a save other ranks are still writing, so it stays.
+    assert _names(fs, root) == ["step-00000020", "step-00000030", "step-00000040.tmp"]
+    assert len(removed) == 3
+    # Without a commit in progress every abandoned directory goes; keep_last=1 still keeps 30.
+    layout.apply_retention(fs, root, keep_last=1)
+    assert _names(fs, root) == ["step-00000030"]
+    with pytest.raises(ValueError, match="keep_last"):
+        layout.apply_retention(fs, root, keep_last=0)

@@ -62,8 +62,10 @@ def _service_processes() -> set[int]:
 
 def test_run_trains_the_tiny_job_end_to_end(repo_root, tmp_path):
     before = _service_processes()
-    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", f"job.output_dir={tmp_path}",
-                  "--set", "training.steps=12", "--set", "training.warmup_steps=2", cwd=tmp_path)
+    common = ("--set", f"job.output_dir={tmp_path}", "--set", "training.warmup_steps=2",
+              "--set", "checkpoint.interval_steps=5")
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", *common, "--set", "training.steps=12",
+                  cwd=tmp_path)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log
     assert "state SUCCEEDED" in log and "done: 12 steps" in log
@@ -73,6 +75,18 @@ def test_run_trains_the_tiny_job_end_to_end(repo_root, tmp_path):
     resolved = yaml.safe_load((tmp_path / "tiny" / "config.yaml").read_text())
     assert resolved["training"]["steps"] == 12
     assert _service_processes() <= before  # embedded Redis and Ray are gone
+    # Checkpoints at 5, 10 and the last step; keep_last 2 in tiny.yaml.
+    checkpoints = tmp_path / "tiny" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-00000010", "step-00000012"]
+
+    # Asked for more steps, the same job resumes from its newest checkpoint.
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", *common, "--set", "training.steps=14",
+                  cwd=tmp_path)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert "resumed from the checkpoint of step 12" in log
+    assert re.findall(r"step\s+(\d+)/14\s+loss", log) == ["13", "14"], log
+    assert "done: 14 steps (resumed from step 12)" in log
 
 
 def test_run_refuses_a_bad_config_before_starting_anything(repo_root, tmp_path):

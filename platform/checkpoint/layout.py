@@ -69,3 +69,34 @@ def write_latest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> None:
     tmp = f"{root}/{LATEST}.tmp"
     fs.pipe_file(tmp, step_dir_name(step).encode())
     fs.mv(tmp, f"{root}/{LATEST}")
+
+
+def apply_retention(fs: fsspec.AbstractFileSystem, root: str, keep_last: int,
+                    committed: int | None = None) -> list[str]:
+    """Delete committed checkpoints beyond the newest `keep_last`, and abandoned ones: `.tmp`
+    directories, and step directories without a manifest (a commit that died half-way on a
+    store without atomic rename). Only committed directories count towards `keep_last`; the
+    newest committed one is never deleted. With `committed` (the step just committed), only
+    abandoned directories of earlier steps go: a later one may be a save other ranks are
+    still writing. Returns what was deleted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}")
+    doomed = [f"{root}/{step_dir_name(s)}" for s in committed_steps(fs, root)[:-keep_last]]
+    for name in _names(fs, root):
+        tmp = _TMP_DIR.match(name)
+        step = int(tmp.group(1)) if tmp else parse_step(name)
+        if step is None or (committed is not None and step >= committed):
+            continue
+        if tmp or not fs.exists(f"{root}/{name}/{MANIFEST}"):
+            doomed.append(f"{root}/{name}")
+    for path in doomed:
+        delete_step_dir(fs, path)
+    return doomed
+
+
+def delete_step_dir(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Manifest first: a crash half-way through deleting must leave a directory that no
+    longer counts as committed, never a "committed" one with shards missing."""
+    if fs.exists(f"{path}/{MANIFEST}"):
+        fs.rm_file(f"{path}/{MANIFEST}")
+    fs.rm(path, recursive=True)

@@ -2,7 +2,8 @@
 
 It is the seam between the two worlds: Ray places and supervises it; inside, it runs the
 trainer, which never sees Ray. It wires the trainer's per-step hook to the heartbeat (for
-the controller) and to Prometheus (for operators).
+the controller), to Prometheus (for operators) and to the checkpointer (resume on start, save
+every checkpoint.interval_steps).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class TrainWorker:
         self.metrics_port: int | None = None
 
     def run(self) -> dict[str, Any]:
-        from longrun.trainer import Trainer  # torch is imported only in the worker process
+        # torch is imported only in the worker process
+        from longrun.checkpoint import Checkpointer, RedisCommitLedger
+        from longrun.trainer import Trainer
 
         cfg = self.cfg
         client = redis.Redis.from_url(self.redis_url)
@@ -47,9 +50,20 @@ class TrainWorker:
             beat.update(step=m.step, phase="train", loss=m.loss if math.isfinite(m.loss) else None,
                         step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s)
 
+        resumed_from = 0
         try:
-            trainer = Trainer(cfg)
-            trainer.train(on_step=on_step)
+            with Trainer(cfg) as trainer:
+                ckpt = Checkpointer(cfg, ledger=RedisCommitLedger(client, cfg.job.name, self.attempt))
+                beat.update(phase="restore")
+                restored = ckpt.restore(trainer)
+                if restored is not None:
+                    resumed_from = restored.step
+                    print(f"resumed from the checkpoint of step {restored.step}", flush=True)
+                trainer.before_update.append(ckpt.before_update)
+                try:
+                    trainer.train(on_step=[on_step, ckpt.on_step(trainer)])
+                finally:
+                    ckpt.close()  # the last save commits, or its failure is raised
         except BaseException:
             beat.stop(final_phase="failed")
             raise
@@ -57,7 +71,7 @@ class TrainWorker:
             metrics.close()
             client.close()
         beat.stop(final_phase="done")
-        if last is None:
-            raise RuntimeError("the trainer returned without completing a step")
-        return {"rank": self.rank, "step": last.step, "loss": last.loss,
-                "tokens_per_s": last.tokens_per_s, "metrics_port": self.metrics_port}
+        return {"rank": self.rank, "step": trainer.step, "resumed_from": resumed_from,
+                "loss": last.loss if last else None,
+                "tokens_per_s": last.tokens_per_s if last else None,
+                "metrics_port": self.metrics_port}

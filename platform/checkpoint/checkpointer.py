@@ -1,0 +1,127 @@
+"""The trainer's view of checkpointing: save every N steps without waiting, restore on start.
+
+    ckpt = Checkpointer(cfg, rank=r, world_size=w, dp_rank=d, dp_size=n, ledger=...)
+    ckpt.restore(trainer, world_group, dp_group)   # resume if a checkpoint exists
+    trainer.before_update.append(ckpt.before_update)
+    trainer.train(on_step=ckpt.on_step(trainer))
+    ckpt.close()                                    # the last save committed
+
+A save costs the training loop only the copy of its state into host memory (`snapshot.py`);
+writing, checksumming and committing happen on the writer thread (`writer.py`). If the
+previous save is still being written when the next is due, `checkpoint.when_busy` decides:
+"wait" for it (default: no checkpoint is ever skipped) or "skip" this one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import fsspec
+import torch.distributed as dist
+
+from longrun.checkpoint.commit import CommitLedger, LocalCommitLedger
+from longrun.checkpoint.manifest import Manifest, model_shard_name, rank_shard_name, split_state
+from longrun.checkpoint.restore import Restored, restore_latest
+from longrun.checkpoint.snapshot import HostStager, Snapshot
+from longrun.checkpoint.writer import CheckpointWriter, SaveJob, SaveResult
+from longrun.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    def __init__(self, cfg: JobConfig, *, rank: int = 0, world_size: int = 1, dp_rank: int = 0,
+                 dp_size: int = 1, ledger: CommitLedger | None = None,
+                 on_saved: Callable[[SaveResult], None] | None = None):
+        if ledger is None:
+            if world_size > 1:
+                raise ValueError("a checkpoint of several ranks needs a shared commit ledger "
+                                 "(RedisCommitLedger)")
+            ledger = LocalCommitLedger()
+        self.cfg = cfg
+        self.rank, self.world_size, self.dp_rank, self.dp_size = rank, world_size, dp_rank, dp_size
+        self.fs, self.root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+        self.root = self.root.rstrip("/")
+        self.stager = HostStager()
+        self.writer = CheckpointWriter(
+            self.fs, self.root, rank=rank, world_size=world_size, ledger=ledger,
+            keep_last=cfg.checkpoint.keep_last, commit_timeout_s=cfg.checkpoint.commit_timeout_s,
+            on_done=on_saved)
+        self._pending: Snapshot | None = None
+        self.last_blocking_s: float | None = None
+        self.saves = self.skipped = 0
+
+    # -- saving ------------------------------------------------------------------------------
+    def save(self, trainer) -> float | None:
+        """Snapshot `trainer` and hand it to the writer; returns the seconds training was
+        blocked, or None if skipped because the previous save is still being written."""
+        start = time.perf_counter()
+        self.writer.raise_if_failed()
+        if self.writer.busy:
+            if self.cfg.checkpoint.when_busy == "skip":
+                self.skipped += 1
+                log.warning("step %d: previous checkpoint still being written; skipping this one",
+                            trainer.step)
+                return None
+            self.writer.wait_idle()
+            self.writer.raise_if_failed()
+        replicated, per_rank = split_state(trainer.state_dict())
+        shards = {rank_shard_name(self.rank): per_rank}
+        if self.dp_rank == 0:  # replicated state: written once per data-parallel group
+            shards[model_shard_name(0)] = replicated
+        snapshot = self.stager.stage(shards)
+        manifest = None
+        if self.rank == 0:
+            manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
+                                model=self.cfg.model.model_dump(mode="json"),
+                                config_fingerprint=self.cfg.fingerprint())
+        self.writer.submit(SaveJob(trainer.step, snapshot, manifest))
+        self._pending = snapshot
+        if not self.cfg.checkpoint.async_save:
+            self.writer.wait_idle()
+            self.writer.raise_if_failed()
+        self.saves += 1
+        self.last_blocking_s = time.perf_counter() - start
+        return self.last_blocking_s
+
+    def before_update(self) -> None:
+        """Call right before the optimizer changes the weights: a GPU snapshot still copying
+        must finish first (on the CPU the copy was synchronous, so this returns at once)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def on_step(self, trainer) -> Callable[[object], None]:
+        """A `Trainer.train` hook: save every checkpoint.interval_steps and at the last step."""
+        interval, last = self.cfg.checkpoint.interval_steps, self.cfg.training.steps
+
+        def hook(metrics) -> None:
+            if metrics.step % interval == 0 or metrics.step == last:
+                self.save(trainer)
+        return hook
+
+    def flush(self) -> SaveResult | None:
+        """Wait for the save in flight; raise if it failed. Returns its result."""
+        self.writer.wait_idle()
+        self.writer.raise_if_failed()
+        return self.writer.last_result
+
+    def close(self) -> None:
+        self.writer.close()
+        self.writer.raise_if_failed()
+
+    # -- restoring ---------------------------------------------------------------------------
+    def restore(self, trainer, world_group: dist.ProcessGroup | None = None,
+                dp_group: dist.ProcessGroup | None = None) -> Restored | None:
+        """Load the newest usable checkpoint into `trainer`; None (and no change) if there is
+        none. Collective over the groups when given."""
+        restored = restore_latest(
+            self.fs, self.root, model=self.cfg.model.model_dump(mode="json"), rank=self.rank,
+            world_size=self.world_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            world_group=world_group, dp_group=dp_group)
+        if restored is not None:
+            trainer.load_state_dict(restored.state)
+            log.info("resumed from step %d of %s", restored.step, self.root)
+        return restored

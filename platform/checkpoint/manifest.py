@@ -1,0 +1,121 @@
+"""What a committed checkpoint holds: its shard files, their checksums, and what they fit.
+
+A checkpoint is split by what is replicated. Under data parallelism every rank holds the same
+model, optimizer and LR schedule, so one rank per data-parallel group writes them once
+(`model-00000.pt`, one file per model-parallel shard) and recovery reads them once and
+broadcasts; every rank writes its own small `rank-NNNNN.pt` (sampler position, RNG streams).
+
+The manifest is JSON, written last: the shard list with SHA-256 and sizes, the step, the
+config fingerprint, and the model and parallel layout the shards fit, so a mismatched restore
+is refused with a message instead of failing deep inside `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+REPLICATED_KEYS = ("step", "model", "optimizer", "scheduler")  # equal on every DP rank
+PER_RANK_KEYS = ("step", "data", "rng")  # this rank's own
+
+
+def model_shard_name(index: int = 0) -> str:
+    return f"model-{index:05d}.pt"
+
+
+def rank_shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trainer state -> (replicated part, per-rank part)."""
+    missing = [k for k in {*REPLICATED_KEYS, *PER_RANK_KEYS} if k not in state]
+    if missing:
+        raise KeyError(f"the training state lacks {sorted(missing)}")
+    return ({k: state[k] for k in REPLICATED_KEYS}, {k: state[k] for k in PER_RANK_KEYS})
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, truncated or not one of ours."""
+
+
+@dataclass
+class ShardInfo:
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    dp_size: int
+    model: dict[str, Any]  # the model section the weights were trained with
+    config_fingerprint: str
+    files: dict[str, ShardInfo] = field(default_factory=dict)
+    created_unix: float = 0.0
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
+        try:
+            data = json.loads(raw)
+            if data.get("format") != FORMAT_VERSION:
+                raise ManifestError(f"{where}: format {data.get('format')!r}, "
+                                    f"this longrun reads format {FORMAT_VERSION}")
+            data["files"] = {k: ShardInfo(**v) for k, v in data["files"].items()}
+            return cls(**data)
+        except ManifestError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ManifestError(f"{where} is not a valid checkpoint manifest ({exc})") from None
+
+    def incompatibility(self, model: dict[str, Any], world_size: int, dp_size: int) -> str | None:
+        """Why these shards cannot be loaded into a job with this model and layout, or None."""
+        if model != self.model:
+            diff = sorted(k for k in {*model, *self.model} if model.get(k) != self.model.get(k))
+            shown = ", ".join(f"{k}: checkpoint {self.model.get(k)!r} vs job {model.get(k)!r}"
+                              for k in diff)
+            return f"the checkpoint holds a different model ({shown})"
+        if (world_size, dp_size) != (self.world_size, self.dp_size):
+            return (f"the checkpoint was written by {self.world_size} ranks (dp {self.dp_size}); "
+                    f"this job has {world_size} (dp {dp_size}); resharding is not supported, "
+                    "run with the same layout")
+        return None
+
+
+class HashingWriter:
+    """Wraps a binary file: everything written goes through SHA-256 and is counted."""
+
+    def __init__(self, f: Any):
+        self._f = f
+        self._hash = hashlib.sha256()
+        self.bytes = 0
+        # torch.save's zip writer replaces an exception from write() with its own opaque
+        # "unexpected pos" error; the original (e.g. ENOSPC) is kept here to be re-raised.
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._hash.update(data)
+        self.bytes += len(data)
+        try:
+            return self._f.write(data)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def info(self) -> ShardInfo:
+        return ShardInfo(self._hash.hexdigest(), self.bytes)
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
