@@ -271,3 +271,26 @@ def test_threads_share_one_store(store, redis_server):
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(work, range(8)))
     assert got == [str((i + 1) % 8).encode() for i in range(8)]
+
+
+def test_a_restarted_server_is_a_clear_error_then_the_store_reconnects(tmp_path):
+    port = free_port()
+    with EmbeddedRedis(port=port, password="pw") as server:
+        store = RedisStore(server.url, NS, timedelta(seconds=5))
+        store.set("k", b"v1")
+        assert store.get("k") == b"v1"
+    # The server is gone: the hot path says which server and which command, with no password.
+    with pytest.raises(StoreConnectionError, match=r"Redis at redis://:\*+@127.0.0.1") as info:
+        store.get("k")
+    assert ":pw@" not in str(info.value)
+    with EmbeddedRedis(port=port, password="pw"):  # back, empty (no persistence)
+        store.set("k", b"v2")  # a fresh connection, and the Lua script loaded again
+        assert store.get("k") == b"v2" and store.add("n", 3) == 3
+    store.close()
+
+
+def test_the_lean_client_encodes_every_argument_type():
+    from longrun.commgroup.resp import pack
+
+    assert pack(("SET", b"k\r\n", 12, "é")) == (
+        b"*4\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$2\r\n12\r\n$2\r\n\xc3\xa9\r\n")

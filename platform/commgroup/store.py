@@ -26,6 +26,7 @@ import redis
 import torch.distributed as dist
 
 from longrun import keys
+from longrun.commgroup.resp import PerThreadResp, RespError
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 # A blocked read is re-issued at least this often, so the socket timeout can stay finite and
@@ -105,6 +106,10 @@ class RedisStore(dist.Store):
         self._client = redis.Redis.from_url(
             url, socket_connect_timeout=connect_timeout_s, socket_timeout=_BLOCK_CHUNK_S + connect_timeout_s,
             socket_keepalive=True, health_check_interval=30)
+        # The hot path (get, set, wait, add, ...) goes through a lean per-thread connection;
+        # redis-py serves the rest (pipelines, scans) and the connection check below.
+        self._fast = PerThreadResp(url, connect_timeout_s, _BLOCK_CHUNK_S + connect_timeout_s,
+                                   error=StoreConnectionError, where=f"Redis at {redact(url)}")
         self._compare_set = self._client.register_script(_COMPARE_SET)
         self._set = self._client.register_script(_SET)
         self._add = self._client.register_script(_ADD)
@@ -134,9 +139,26 @@ class RedisStore(dist.Store):
     def _signal(self, pipe, key: str, value: bytes) -> None:
         pipe.xadd(self._s(key), {"v": value}, maxlen=1, approximate=False)
 
+    def _script(self, script, key: str, *args):
+        """EVALSHA on the fast connection; the first call on a fresh server loads the script."""
+        try:
+            return self._fast.call("EVALSHA", script.sha, 2, self._k(key), self._s(key), *args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            self._fast.call("SCRIPT", "LOAD", script.script)
+            return self._fast.call("EVALSHA", script.sha, 2, self._k(key), self._s(key), *args)
+
+    def _xread(self, streams: list[str], block_ms: int):
+        """XREAD COUNT 1 BLOCK from 0-0: [(stream name, value)] for the streams with an entry."""
+        reply = self._fast.call("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", *streams,
+                                *(["0-0"] * len(streams)))
+        # RESP2 reply: [[stream, [[entry id, [b"v", value]]]], ...] or nil after the block.
+        return [(name.decode(), entries[0][1][1]) for name, entries in reply or ()]
+
     # -- the Store contract --------------------------------------------------------------------
     def set(self, key: str, value) -> None:
-        self._set(keys=[self._k(key), self._s(key)], args=[_as_bytes(value)])
+        self._script(self._set, key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
         timeout = self.timeout
@@ -147,26 +169,26 @@ class RedisStore(dist.Store):
             block_ms = max(1, int(min(remaining, _BLOCK_CHUNK_S) * 1000))
             # The stream's one entry is the current value; from 0-0 it is returned at once
             # when the key exists, else this blocks until the key is written.
-            reply = self._client.xread({stream: "0-0"}, count=1, block=block_ms)
+            reply = self._xread([stream], block_ms)
             if reply:
-                return reply[0][1][0][1][b"v"]
+                return reply[0][1]
             if remaining <= 0:
                 raise StoreTimeoutError(self.namespace, [key], timeout)
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._add(keys=[self._k(key), self._s(key)], args=[amount]))
+        return int(self._script(self._add, key, int(amount)))
 
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
-        return self._compare_set(keys=[self._k(key), self._s(key)],
-                                 args=[_as_bytes(expected_value), _as_bytes(desired_value)])
+        return self._script(self._compare_set, key, _as_bytes(expected_value), _as_bytes(desired_value))
 
     def append(self, key: str, value) -> None:
-        self._append(keys=[self._k(key), self._s(key)], args=[_as_bytes(value)])
+        self._script(self._append, key, _as_bytes(value))
 
     def check(self, keys_: list[str]) -> bool:
         if not keys_:
             return True
-        return self._client.exists(*[self._k(k) for k in keys_]) == len(set(keys_))
+        unique = list(dict.fromkeys(keys_))
+        return self._fast.call("EXISTS", *[self._k(k) for k in unique]) == len(unique)
 
     def wait(self, keys_: list[str], timeout: timedelta | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
@@ -177,8 +199,7 @@ class RedisStore(dist.Store):
             block_ms = max(1, int(min(max(remaining, 0.001), _BLOCK_CHUNK_S) * 1000))
             # From 0-0, XREAD returns every stream that has an entry (a key that exists) at
             # once, and otherwise blocks until one is written: one round trip when all exist.
-            reply = self._client.xread({self._s(k): "0-0" for k in missing}, count=1, block=block_ms)
-            written = {name.decode() if isinstance(name, bytes) else name for name, _ in reply or ()}
+            written = {name for name, _ in self._xread([self._s(k) for k in missing], block_ms)}
             missing = [k for k in missing if self._s(k) not in written]
             if missing and remaining <= 0:
                 raise StoreTimeoutError(self.namespace, missing, timeout)
@@ -235,6 +256,7 @@ class RedisStore(dist.Store):
         return delete_matching(self._client, self._pattern())
 
     def close(self) -> None:
+        self._fast.close()
         self._client.close()
 
 
