@@ -104,6 +104,9 @@ def _some(paths: list[PurePosixPath], limit: int = 3) -> str:
     return names + (f" (and {len(paths) - limit} more)" if len(paths) > limit else "")
 
 
+_WARNED: set[tuple[str, tuple]] = set()
+
+
 class FileCorpus(Corpus):
     """Files under `root` whose relative path matches one of `include` (PurePath.match:
     '*.py' matches at any depth), sorted by relative path. Hidden directories and the names in
@@ -152,7 +155,9 @@ class FileCorpus(Corpus):
                 f"no non-empty files matching data.include {include} under {self.root}; "
                 "check data.path and data.include"
             )
-        if self.skipped_binary:
+        warning_key = (str(self.root), tuple(self.skipped_binary))
+        if self.skipped_binary and warning_key not in _WARNED:
+            _WARNED.add(warning_key)  # once per process: a benchmark may build several corpora
             logger.warning(
                 "skipped %d of %d files matching data.include under %s that are not text "
                 "(a NUL byte or invalid UTF-8 in the first %d bytes): %s",
