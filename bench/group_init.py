@@ -101,7 +101,7 @@ def fresh_worker(rank, world, url, ports, reps, barrier, results):
     for rep in range(reps + 1):
         order = ("ours", "default") if rep % 2 == 0 else ("default", "ours")
         for path in order:
-            barrier.wait()  # everyone imported, previous world torn down
+            barrier.wait(timeout=600)  # everyone imported, previous world torn down
             start = time.time()
             if path == "ours":
                 groups = init_parallel_groups(url, job=f"bench{world}", attempt=rep, rank=rank, layout=layout,
@@ -117,7 +117,7 @@ def fresh_worker(rank, world, url, ports, reps, barrier, results):
                 end = time.time()
                 dist.destroy_process_group()
             results.put((path, rep, rank, start, end, detail))
-    barrier.wait()
+    barrier.wait(timeout=600)
 
 
 def reform_worker(rank, world, url, attempt, results, job):
@@ -156,12 +156,34 @@ def respawn_worker(rank, world, port, results, hold):
 # --- measurements -----------------------------------------------------------------------------
 
 
-def measure_fresh(world: int, reps: int, url: str) -> dict:
-    from longrun.services.ports import free_port
+def listen_port() -> int:
+    """A free port below the ephemeral range. Ports picked now and bound later (the default
+    path's TCPStore, one per repeat) must not be taken in between by the thousands of
+    outgoing connections gloo opens, which draw from the ephemeral range."""
+    import random
+    import socket
 
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = min(low, int(f.read().split()[0]) - 2000)
+    except OSError:
+        pass
+    for _ in range(1000):
+        port = random.randrange(max(low - 8000, 1024), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def measure_fresh(world: int, reps: int, url: str) -> dict:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(world), ctx.Queue()
-    ports = [free_port() for _ in range(reps + 1)]
+    ports = [listen_port() for _ in range(reps + 1)]
     procs = [ctx.Process(target=fresh_worker, args=(r, world, url, ports, reps, barrier, results))
              for r in range(world)]
     for p in procs:
@@ -195,7 +217,6 @@ def measure_reform(world: int, url: str, reps: int) -> dict:
 
 
 def reform_once(world: int, url: str, rep: int) -> tuple[float, float]:
-    from longrun.services.ports import free_port
 
     ctx = mp.get_context("spawn")
     victim = world // 2 + 1
@@ -222,7 +243,7 @@ def reform_once(world: int, url: str, rep: int) -> tuple[float, float]:
 
     # default: kill everything, respawn the world, TCPStore + every group again.
     results = ctx.Queue()
-    port = free_port()
+    port = listen_port()
     procs = [ctx.Process(target=respawn_worker, args=(r, world, port, results, True)) for r in range(world)]
     for p in procs:
         p.start()
@@ -230,7 +251,7 @@ def reform_once(world: int, url: str, rep: int) -> tuple[float, float]:
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)
     decision = time.time()
-    port = free_port()
+    port = listen_port()
     procs = [ctx.Process(target=respawn_worker, args=(r, world, port, results, False)) for r in range(world)]
     for p in procs:
         p.start()
@@ -364,7 +385,6 @@ def measure_store(ranks: int, redis_url: str) -> dict:
     import torch.distributed as dist
 
     from longrun.commgroup.store import RedisStore
-    from longrun.services.ports import free_port
 
     ctx = mp.get_context("spawn")
     procs_n, threads = 2, 16
@@ -378,7 +398,7 @@ def measure_store(ranks: int, redis_url: str) -> dict:
             address = redis_url
             RedisStore(redis_url, f"sim:{ranks}:").delete_namespace()
         else:
-            address = free_port()
+            address = listen_port()
             server = dist.TCPStore("127.0.0.1", address, None, True, TIMEOUT, wait_for_workers=False,
                                    use_libuv=True)
         start_b, phase_b, results = ctx.Barrier(procs_n), ctx.Barrier(procs_n), ctx.Queue()

@@ -48,9 +48,9 @@ def test_a_late_rank_is_waited_for(redis_server, redis_client):
     results = ctx.Queue()
     early = _start(w.form_and_check, range(3), redis_server.url, 0, 60, results)
     # Start the last rank only once the other three are verifiably waiting for it.
-    arrived = keys.store_prefix(w.JOB, 0) + "k:arrived"
+    arrived = [keys.store_prefix(w.JOB, 0) + f"k:arrive/{r}" for r in range(3)]
     deadline = time.monotonic() + 60
-    while (redis_client.get(arrived) or b"0") != b"3":
+    while redis_client.exists(*arrived) != 3:
         assert time.monotonic() < deadline, "the first three ranks never checked in"
         time.sleep(0.02)  # polling Redis for the other processes' progress
     late = _start(w.form_and_check, [3], redis_server.url, 0, 60, results)

@@ -124,20 +124,29 @@ def _my_groups(layout: Layout, rank: int) -> list[tuple[str, list[int]]]:
     return named
 
 
-def _arrive(store: RedisStore, rank: int, world_size: int, timeout: timedelta) -> None:
-    store.set(f"arrive/{rank}", b"1")
+def _missing_ranks(store: RedisStore, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if not store.check([f"arrive/{r}"])]
+
+
+def _rendezvous_error(store: RedisStore, missing: list[int], world_size: int,
+                      timeout: timedelta) -> RendezvousError:
+    return RendezvousError(
+        f"rank(s) {missing} did not join within {timeout.total_seconds():g} s "
+        f"({world_size - len(missing)} of {world_size} arrived, store {store.namespace!r}); "
+        "check that those workers started and can reach Redis",
+        missing_ranks=missing,
+    )
+
+
+def _await_everyone(store: RedisStore, world_size: int, timeout: timedelta) -> None:
+    """A world barrier, used only before NCCL's world init: a rank missing there would hang
+    inside NCCL rather than time out in the store."""
     if store.add("arrived", 1) == world_size:
         store.set("all_arrived", b"1")
     try:
         store.wait(["all_arrived"], timeout)
     except StoreTimeoutError:
-        missing = [r for r in range(world_size) if not store.check([f"arrive/{r}"])]
-        raise RendezvousError(
-            f"rank(s) {missing} did not join within {timeout.total_seconds():g} s "
-            f"({world_size - len(missing)} of {world_size} arrived, store {store.namespace!r}); "
-            "check that those workers started and can reach Redis",
-            missing_ranks=missing,
-        ) from None
+        raise _rendezvous_error(store, _missing_ranks(store, world_size), world_size, timeout) from None
 
 
 def init_parallel_groups(
@@ -164,7 +173,13 @@ def init_parallel_groups(
     timings.store_connect_s = time.perf_counter() - start
 
     t = time.perf_counter()
-    _arrive(store, rank, world_size, timeout)
+    # Every rank records that it arrived, so a rank that never comes can be named. Only NCCL
+    # waits for everyone here; gloo's rendezvous runs entirely through this store, so a
+    # missing rank surfaces as a store timeout inside init_process_group, named below, and
+    # the world pays no extra global barrier.
+    store.set(f"arrive/{rank}", b"1")
+    if backend == "nccl":
+        _await_everyone(store, world_size, timeout)
     timings.arrival_s = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -176,8 +191,16 @@ def init_parallel_groups(
         kwargs["device_id"] = device  # eager init: new groups split from the world's communicator
         group_options = dist.ProcessGroupNCCL.Options()
         group_options.config.blocking = 0  # non-blocking communicator init: inits overlap
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            **kwargs)
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, **kwargs)
+    except Exception as exc:
+        missing = _missing_ranks(store, world_size)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if missing:
+            raise _rendezvous_error(store, missing, world_size, timeout) from exc
+        raise
     world = dist.group.WORLD
     timings.world_init_s = time.perf_counter() - t
 
