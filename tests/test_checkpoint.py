@@ -313,3 +313,25 @@ def test_buffers_are_allocated_once_and_reused(tmp_path):
             ckpt.flush()
         assert {id(t) for t in ckpt.stager._buffers.values()} == first
         ckpt.close()
+
+
+def test_a_rank_that_never_reports_aborts_the_commit_naming_it(tmp_path):
+    from longrun.checkpoint import CheckpointWriter, HostStager, LocalCommitLedger, Manifest
+    from longrun.checkpoint.writer import SaveJob
+
+    cfg = w.config(str(tmp_path / "ckpt"), checkpoint={"commit_timeout_s": 0.5})
+    with pytest.raises(ValueError, match="shared commit ledger"):
+        Checkpointer(cfg, rank=0, world_size=2)
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    # Rank 0 of a world of 2 whose rank 1 died: its own shard is written, the commit is not.
+    writer = CheckpointWriter(fs, root, rank=0, world_size=2, ledger=LocalCommitLedger(),
+                              keep_last=2, commit_timeout_s=0.5)
+    snapshot = HostStager().stage({rank_shard_name(0): {"x": torch.ones(3)}})
+    manifest = Manifest(step=7, world_size=2, dp_size=2, model={}, config_fingerprint="f")
+    writer.submit(SaveJob(7, snapshot, manifest))
+    writer.wait_idle()
+    with pytest.raises(CheckpointWriteError, match=r"ranks 1 did not report their shards within 0.5 s"):
+        writer.raise_if_failed()
+    writer.close()
+    assert layout.committed_steps(fs, root) == []
+    assert layout.abandoned_tmp_dirs(fs, root) == [f"{root}/{layout.tmp_dir_name(7)}"]

@@ -78,7 +78,7 @@ def _missing_message(step: int, reports: dict, world_size: int, timeout_s: float
     missing = [r for r in range(world_size) if r not in reports]
     shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
     return (f"step {step} not committed: ranks {shown} did not report their shards within "
-            f"{timeout_s:.0f} s (dead, or storage too slow: raise checkpoint.commit_timeout_s)")
+            f"{timeout_s:g} s (dead, or storage too slow: raise checkpoint.commit_timeout_s)")
 
 
 class RedisCommitLedger:

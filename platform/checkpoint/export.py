@@ -12,7 +12,6 @@ model config, step and config fingerprint in its metadata) or a plain `torch.sav
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -33,7 +32,7 @@ from longrun.checkpoint.layout import (
     read_latest,
     step_dir_name,
 )
-from longrun.checkpoint.manifest import Manifest, ManifestError, model_shard_name
+from longrun.checkpoint.manifest import Manifest, ManifestError, model_shard_name, stream_sha256
 from longrun.checkpoint.restore import load_shard, read_manifest
 
 ExportFormat = Literal["safetensors", "torch"]
@@ -204,18 +203,14 @@ def verify_shards(fs: fsspec.AbstractFileSystem, root: str, step: int,
     checks = []
     for name, info in sorted(manifest.files.items()):
         path = f"{root}/{step_dir_name(step)}/{name}"
-        digest, size = hashlib.sha256(), 0
         try:
-            with fs.open(path, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
+            size, digest = stream_sha256(fs, path, _HASH_CHUNK)
         except FileNotFoundError:
             checks.append(ShardCheck(name, "MISSING", 0, "listed in the manifest, not on storage"))
             continue
         if size != info.bytes:
             checks.append(ShardCheck(name, "CORRUPT", size, f"{size} bytes, the manifest says {info.bytes}"))
-        elif digest.hexdigest() != info.sha256:
+        elif digest != info.sha256:
             checks.append(ShardCheck(name, "CORRUPT", size, "SHA-256 differs from the manifest's"))
         else:
             checks.append(ShardCheck(name, "OK", size))

@@ -119,3 +119,13 @@ class HashingWriter:
 
 def sha256_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def stream_sha256(fs: Any, path: str, chunk: int = 8 << 20) -> tuple[int, str]:
+    """(size, SHA-256) of a file read in chunks: never the whole file in memory."""
+    digest, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while data := f.read(chunk):
+            digest.update(data)
+            size += len(data)
+    return size, digest.hexdigest()
