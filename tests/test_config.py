@@ -78,10 +78,22 @@ def test_bad_values_name_the_field(raw, path, needle):
     (_with(health__faults=[{"rank": 3, "step": 1, "kind": "kill"}]), "health.faults[0].rank",
      "does not exist"),
     (_with(model__max_seq_len=4096, data__micro_batch_tokens=1024), "data.micro_batch_tokens", "cannot hold"),
+    # dynamic CP over dp 3 x cp 2: the widest group is 2 ranks (the largest power of two
+    # dividing 6), which must hold 1000 tokens as two zigzag halves of 2 x 250 = 500 each
+    (_with(cluster__workers_per_node=6, parallelism__dp=3, parallelism__cp=2, parallelism__dynamic_cp=True,
+           model__max_seq_len=1000, data__micro_batch_tokens=499), "data.micro_batch_tokens",
+     "raise micro_batch_tokens to 500"),
 ])
 def test_cross_section_checks_say_what_to_change(raw, path, needle):
     problems, _ = _problems(raw)
     assert any(p == path and needle in why for p, why in problems), problems
+
+
+def test_dynamic_cp_budget_that_fits_the_widest_group_is_accepted():
+    cfg = config_from_dict(_with(cluster__workers_per_node=6, parallelism__dp=3, parallelism__cp=2,
+                                 parallelism__dynamic_cp=True, model__max_seq_len=1000,
+                                 data__micro_batch_tokens=500))
+    assert cfg.parallelism.dynamic_cp and cfg.data.micro_batch_tokens == 500
 
 
 def test_several_problems_are_reported_together():

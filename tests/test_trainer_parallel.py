@@ -3,28 +3,9 @@ the whole batch, bitwise-exact resume at 4 ranks, and communication launched dur
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import trainer_workers as w
-
-ctx = mp.get_context("spawn")
-
-
-def _run_world(target, world: int, tmp_path, per_rank: int = 1, timeout: float = 240):
-    results = ctx.Queue()
-    init_file = str(tmp_path / "init")
-    procs = [ctx.Process(target=target, args=(r, world, init_file, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = []
-    while len(out) < world * per_rank:
-        out.append(results.get(timeout=timeout))
-        assert out[-1][1] != "error", out[-1][2]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
-    return sorted(out, key=lambda r: r[:2])
+from worlds import run_world as _run_world
 
 
 @pytest.mark.parametrize("world", [2, 4])

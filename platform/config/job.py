@@ -95,23 +95,29 @@ def cross_section_problems(cfg: JobConfig) -> list[tuple[str, str]]:
             "parallelism.cp",
             f"dynamic CP uses power-of-two CP groups; cp ({par.cp}) must be 1, 2, 4, 8, ...",
         ))
-    if par.cp_impl != "ring" and cfg.model.kv_heads % par.cp and par.cp_impl == "ulysses":
+    if par.cp_impl == "ulysses" and cfg.model.n_heads % par.cp:
         problems.append((
             "parallelism.cp_impl",
-            f"Ulysses splits KV heads across the CP group: model.n_kv_heads ({cfg.model.kv_heads}) "
-            f"must be divisible by cp ({par.cp}); use cp_impl 'usp' or 'ring'",
+            f"Ulysses splits the attention heads across the CP group: model.n_heads "
+            f"({cfg.model.n_heads}) must be divisible by cp ({par.cp}); use cp_impl 'usp' or 'ring'",
         ))
     if cfg.model.n_heads % par.tp:
         problems.append((
             "parallelism.tp",
             f"model.n_heads ({cfg.model.n_heads}) must be divisible by tp ({par.tp})",
         ))
-    if cfg.data.micro_batch_tokens < cfg.model.max_seq_len // max(par.cp, 1):
+    # The widest CP group: static CP's cp, or for dynamic CP the largest power of two dividing
+    # dp x cp. A sequence split over w ranks is padded to a multiple of 2w (zigzag halves).
+    span = par.dp * par.cp
+    widest = (span & -span) if par.dynamic_cp else par.cp
+    share = cfg.model.max_seq_len if widest == 1 else -(-cfg.model.max_seq_len // (2 * widest)) * 2
+    if cfg.data.micro_batch_tokens < share:
         problems.append((
             "data.micro_batch_tokens",
             f"a micro-batch of {cfg.data.micro_batch_tokens} tokens per rank cannot hold one "
-            f"sequence of model.max_seq_len ({cfg.model.max_seq_len}) even split over cp "
-            f"({par.cp}) ranks; raise micro_batch_tokens or lower max_seq_len",
+            f"sequence of model.max_seq_len ({cfg.model.max_seq_len}) split over {widest} ranks "
+            f"(the widest CP group: {share} tokens each); raise micro_batch_tokens to {share} or "
+            "lower max_seq_len",
         ))
     if cfg.training.warmup_steps > cfg.training.steps:
         problems.append((

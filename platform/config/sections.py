@@ -139,7 +139,9 @@ class DataSection(Section):
     )
     include: list[str] = Field(["*.py"], description="Glob patterns for files inside a directory.")
     synthetic: LengthDistribution = Field(default_factory=LengthDistribution)
-    micro_batch_tokens: PositiveInt = Field(2048, description="Token budget of one micro-batch per rank.")
+    micro_batch_tokens: PositiveInt = Field(
+        2048, description="Token budget of one micro-batch per rank (under context parallelism: "
+        "the most tokens any rank holds; a global batch is then dp x cp x grad_accum budgets).")
     prefetch: NonNegativeInt = Field(4, description="Micro-batches prepared ahead by a background thread.")
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from longrun.services.ports import free_port
+from longrun.services.ports import free_ports
 from longrun.services.process import ManagedProcess, ServiceError, kill_pids, pids_mentioning
 
 LOOPBACK = "127.0.0.1"
@@ -62,8 +62,7 @@ class EmbeddedRay:
     def start(self) -> EmbeddedRay:
         # Ray puts Unix sockets under the temp dir; their paths must stay under 107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="lr-ray-", dir="/tmp"))
-        self.gcs_port = free_port()
-        self.dashboard_port = free_port()
+        self.gcs_port, self.dashboard_port, client_port, agent_port = free_ports(4)
         argv = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             f"--node-ip-address={LOOPBACK}",
@@ -73,8 +72,8 @@ class EmbeddedRay:
             f"--dashboard-host={LOOPBACK}",
             f"--dashboard-port={self.dashboard_port}",
             # Ray's fixed defaults (10001, 52365) would clash between two embedded heads.
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={client_port}",
+            f"--dashboard-agent-listen-port={agent_port}",
             "--disable-usage-stats",
         ]
         if self.num_cpus is not None:

@@ -65,6 +65,11 @@ class Corpus:
     def __len__(self) -> int:
         return len(self._doc)
 
+    @property
+    def chunk_lengths(self) -> np.ndarray:
+        """Token count of every item (document chunk), BOS/EOS included, without reading."""
+        return self._stop - self._start
+
     def __getitem__(self, i: int) -> np.ndarray:
         doc, start, stop = int(self._doc[i]), int(self._start[i]), int(self._stop[i])
         n = int(self._content[doc])

@@ -1,4 +1,4 @@
-"""The training step loop (single process for now): data -> forward/backward -> clip -> step.
+"""The training step loop: data -> forward/backward -> clip -> step.
 
     python -c "from longrun.config import config_from_dict; from longrun.trainer import Trainer;
                Trainer(config_from_dict({'job': {'name': 'demo'}})).train()"
@@ -10,6 +10,10 @@ split into micro-batches (packing makes micro-batch sizes vary). With data paral
 count is summed over the ranks first and the ranks' gradients are summed (`parallel.py`), so
 the result is the gradient of the global batch's mean token loss, however the documents were
 split across ranks.
+
+Under context parallelism (`context_parallel=`, see `cp_batches.py`) a step is one planned
+global batch: every rank of the dp x cp span runs the same number of micro-batches, each on
+the CP group the plan gives it, and gradients are summed over the whole span.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ import torch.nn.functional as F
 
 from longrun.config import JobConfig
 from longrun.config.sections import TrainingSection
+from longrun.trainer.context_parallel import ContextParallelAttention
+from longrun.trainer.cp_batches import (
+    ContextParallelSetup,
+    PlannedStep,
+    RankMicroBatch,
+    cp_attention_for,
+    flops_share,
+    planned_steps,
+)
+from longrun.trainer.cp_layout import LocalShard
 from longrun.trainer.data import DocumentSampler, build_corpus
 from longrun.trainer.model import Transformer
 from longrun.trainer.packing import (
@@ -192,8 +206,9 @@ class Trainer:
     bitwise-exact resume needs."""
 
     def __init__(self, cfg: JobConfig, device: torch.device | str | None = None, *,
-                 dp_group: dist.ProcessGroup | None = None, peak_flops: float | None = None,
-                 progress: bool = True):
+                 dp_group: dist.ProcessGroup | None = None,
+                 context_parallel: ContextParallelSetup | None = None,
+                 peak_flops: float | None = None, progress: bool = True):
         self.cfg = cfg
         self.device = resolve_device(cfg.cluster.device, device)
         self.peak_flops = peak_flops
@@ -201,20 +216,29 @@ class Trainer:
         # Initialised on the CPU, then moved: the same weights whatever the device.
         self.model = Transformer(cfg.model).to(self.device)
         self.tokenizer = ByteTokenizer(cfg.model.vocab_size)
-        self.dp = DataParallel(self.model, dp_group, bucket_mb=cfg.training.grad_sync_bucket_mb,
+        # Under context parallelism gradients are summed over all dp x cp ranks (each rank
+        # back-propagates its own tokens' loss; the ring returns dK/dV to their owners).
+        self.cp = context_parallel
+        if context_parallel is not None and dp_group is not None:
+            raise ValueError("pass dp_group or context_parallel (whose span group is the dp x cp "
+                             "ranks), not both")
+        sync_group = context_parallel.span_group if context_parallel is not None else dp_group
+        self.dp = DataParallel(self.model, sync_group, bucket_mb=cfg.training.grad_sync_bucket_mb,
                                prime=self._priming_loss)
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
+        # Every rank of a CP span draws the same global batch; the plan splits it.
+        shard_rank, shard_size = (0, 1) if context_parallel is not None else (self.dp.rank, self.dp.size)
         self.sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed,
-                                       dp_rank=self.dp.rank, dp_size=self.dp.size)
+                                       dp_rank=shard_rank, dp_size=shard_size)
         self.step = 0
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
         # must finish first).
         self.before_update: list[Callable[[], None]] = []
         # Sampler position after the last micro-batch consumed by a *completed* step.
         self._data_state = self.sampler.state_dict()
-        self._prefetcher: Prefetcher[MicroBatch] | None = None
+        self._prefetcher: Prefetcher[Any] | None = None
         self.printer = (ProgressPrinter(cfg.training.steps, cfg.training.log_every)
                         if progress else None)
         log.info("model: %s parameters (%s without the embedding), %d documents in the corpus",
@@ -222,11 +246,19 @@ class Trainer:
                  f"{self.model.num_params(exclude_embedding=True):,}", len(self.corpus))
 
     # -- data --------------------------------------------------------------------------------
-    def _data(self) -> Prefetcher[MicroBatch]:
+    def _data(self) -> Prefetcher[Any]:
+        """Micro-batches; under context parallelism, planned global batches (`PlannedStep`),
+        whose plans the prefetch thread makes while the current step trains."""
         if self._prefetcher is None:
             self.sampler.load_state_dict(self._data_state)
-            source = packed_micro_batches(self.corpus, self.sampler,
-                                          self.cfg.data.micro_batch_tokens)
+            budget = self.cfg.data.micro_batch_tokens
+            source: Any
+            if self.cp is None:
+                source = packed_micro_batches(self.corpus, self.sampler, budget)
+            else:
+                global_tokens = budget * self.cfg.training.grad_accum * self.cp.span_size
+                source = planned_steps(packed_micro_batches(self.corpus, self.sampler, global_tokens),
+                                       self.cp, budget)
             self._prefetcher = Prefetcher(source, self.cfg.data.prefetch)
         return self._prefetcher
 
@@ -243,11 +275,15 @@ class Trainer:
         self.close()
 
     # -- one step ----------------------------------------------------------------------------
-    def _summed_token_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    def _summed_token_loss(self, model: torch.nn.Module, mb: MicroBatch | LocalShard,
+                           context_parallel: ContextParallelAttention | None = None) -> torch.Tensor:
         mb = mb.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.training.dtype == "bfloat16"):
-            logits = model(mb.tokens, mb.positions, mb.cu_seqlens)
+            if context_parallel is None:
+                logits = model(mb.tokens, mb.positions, mb.cu_seqlens)
+            else:
+                logits = model(mb.tokens, mb.positions, context_parallel=context_parallel)
         return F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
                                reduction="sum")
 
@@ -277,6 +313,39 @@ class Trainer:
             loss_sum += loss.detach()
         return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 
+    def forward_backward_planned(self, step: PlannedStep) -> tuple[float, float]:
+        """`forward_backward` under context parallelism: this rank's micro-batches of a planned
+        global batch, each on its CP group. Every rank runs the same number of micro-batches;
+        gradients are synchronised (summed over dp x cp) during the last one's backward. A
+        rank idle in the last micro-batch still joins that synchronisation with a zero-weight
+        pass; idle earlier ones are skipped."""
+        assert self.cp is not None
+        loss_tokens = max(step.loss_tokens, 1)  # the whole global batch's, known to every rank
+        loss_sum = torch.zeros((), device=self.device)
+        flops = 0.0
+        for i, rmb in enumerate(step.micro_batches):
+            last = i == len(step.micro_batches) - 1
+            if rmb.idle and not last:
+                continue
+            loss_sum += self.micro_batch_pass(rmb, last=last, loss_tokens=loss_tokens)
+            flops += flops_share(self.model.flops_per_token, rmb)
+        return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
+
+    def micro_batch_pass(self, rmb: RankMicroBatch, *, last: bool, loss_tokens: int) -> torch.Tensor:
+        """Forward and backward of one planned micro-batch on its CP group (gradients
+        synchronised only when `last`); returns its summed token loss (detached)."""
+        assert self.cp is not None
+        with self.dp.micro_batch(last=last):
+            if rmb.idle:  # joins the gradient synchronisation, contributes nothing
+                loss = self._priming_loss(self.dp.forward) * 0.0
+            elif rmb.shard is None:
+                loss = self._summed_token_loss(self.dp.forward, rmb.batch)
+            else:
+                attn = cp_attention_for(rmb, self.cp, self.device)
+                loss = self._summed_token_loss(self.dp.forward, rmb.shard, attn)
+            (loss / loss_tokens).backward()
+        return loss.detach()
+
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (before clipping); clipped to training.grad_clip unless 0."""
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -290,14 +359,22 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         data, wait = self._data(), 0.0
-        batches = []
-        for _ in range(self.cfg.training.grad_accum):
-            batches.append(next(data))
-            wait += data.last_wait_s
+        batches: list[MicroBatch] = []
+        planned: PlannedStep | None = None
+        if self.cp is None:
+            for _ in range(self.cfg.training.grad_accum):
+                batches.append(next(data))
+                wait += data.last_wait_s
+        else:
+            planned = next(data)
+            wait = data.last_wait_s
         lr = self.scheduler.get_last_lr()[0]
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            loss_value, flops = self.forward_backward(batches)
+            if planned is None:
+                loss_value, flops = self.forward_backward(batches)
+            else:
+                loss_value, flops = self.forward_backward_planned(planned)
             if not math.isfinite(loss_value):
                 raise NonFiniteLossError(self.step + 1, loss_value)
             # A finite loss can still back-propagate inf (an overflow in one layer); stepping
@@ -315,11 +392,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        self._data_state = batches[-1].sampler_state
+        self._data_state = batches[-1].sampler_state if planned is None else planned.sampler_state
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
         step_time = time.perf_counter() - start
-        tokens = sum(len(mb.tokens) for mb in batches)
+        tokens = (sum(len(mb.tokens) for mb in batches) if planned is None
+                  else sum(len(r.batch.tokens) // r.group.cp for r in planned.micro_batches if r.batch))
         return StepMetrics(
             step=self.step, loss=loss_value, grad_norm=grad_norm_value, lr=lr, tokens=tokens,
             tokens_per_s=tokens / step_time, step_time_s=step_time, data_wait_s=wait,

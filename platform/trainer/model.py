@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longrun.config.sections import ModelSection
+
+if TYPE_CHECKING:
+    from longrun.trainer.context_parallel import ContextParallelAttention
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,9 @@ class PackedLayout:
             raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
         return cls(cu_seqlens=cu, bounds=bounds, max_seqlen=int(lengths.max()))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return packed_causal_attention(q, k, v, self)
 
     @cached_property
     def buckets(self) -> tuple[list[tuple[Tensor, int, int]], Tensor]:
@@ -189,6 +196,14 @@ def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayou
     return _bucketed_sdpa(q, k, v, layout)
 
 
+class AttentionLayout(Protocol):
+    """What the attention layers need to know about the tokens: how to attend them. A
+    `PackedLayout` (whole documents in this process) or a context-parallel one
+    (`context_parallel.ContextParallelAttention`: slices of documents spread over a group)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
 # --- the decoder -----------------------------------------------------------------------------
 
 
@@ -201,13 +216,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: PackedLayout) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: AttentionLayout) -> Tensor:
         t = x.shape[0]
         q = self.wq(x).view(t, self.n_heads, self.head_dim)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.wo(packed_causal_attention(q, k, v, layout).reshape(t, -1))
+        return self.wo(layout.attend(q, k, v).reshape(t, -1))
 
 
 class FeedForward(nn.Module):
@@ -231,7 +246,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: PackedLayout) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: AttentionLayout) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, layout)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -268,18 +283,29 @@ class Transformer(nn.Module):
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
 
-    def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None = None, *,
+                context_parallel: ContextParallelAttention | None = None) -> Tensor:
         """tokens, positions: LongTensor [T]; cu_seqlens: int32 [n_docs + 1]. Positions must
-        be below max_seq_len (documents are chunked to it). Returns logits [T, vocab]."""
+        be below max_seq_len (documents are chunked to it). Returns logits [T, vocab].
+
+        Under context parallelism the tokens are this rank's shard (`cp_layout.LocalShard`)
+        and `context_parallel` says how to attend across the group; cu_seqlens is unused."""
         if tokens.dim() != 1 or positions.shape != tokens.shape:
             raise ValueError(
                 f"tokens and positions must be 1-D and of equal length (a packed stream); got "
                 f"{tuple(tokens.shape)} and {tuple(positions.shape)}"
             )
-        layout = PackedLayout.from_cu_seqlens(cu_seqlens, tokens.shape[0], tokens.device)
-        if layout.max_seqlen > self.cfg.max_seq_len:
+        layout: AttentionLayout
+        if context_parallel is not None:
+            layout, longest = context_parallel, int(context_parallel.layout.lengths.max())
+        elif cu_seqlens is None:
+            raise ValueError("cu_seqlens is required without context parallelism")
+        else:
+            layout = PackedLayout.from_cu_seqlens(cu_seqlens, tokens.shape[0], tokens.device)
+            longest = layout.max_seqlen
+        if longest > self.cfg.max_seq_len:
             raise ValueError(
-                f"a document of {layout.max_seqlen} tokens exceeds model.max_seq_len "
+                f"a document of {longest} tokens exceeds model.max_seq_len "
                 f"({self.cfg.max_seq_len}); chunk documents to max_seq_len"
             )
         cos, sin = self.rotary(positions)
