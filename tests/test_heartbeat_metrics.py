@@ -52,3 +52,64 @@ def test_worker_metrics_are_served_on_loopback():
     assert 'longrun_train_tokens_total{job="demo",rank="3"} 8192.0' in body
     assert 'longrun_train_step_duration_seconds_count{job="demo",rank="3"} 2.0' in body
     assert "longrun_train_mfu_ratio{" not in body
+
+
+_BLOCKED_WORKER = """
+import os, sys, time
+import redis, torch, torch.distributed as dist
+from longrun.health.heartbeat import HeartbeatPublisher
+rank, init, url = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+client = redis.Redis.from_url(url)
+if rank == 0:
+    beat = HeartbeatPublisher(client, "hb-native", 0, 0, interval_s=0.05, timeout_s=1.0).start()
+    beat.update(phase="sync")
+    dist.all_reduce(torch.ones(4))  # blocks in gloo (native code) until rank 1 joins
+    beat.update(phase="after")
+    client.set("hb-native:done", "1")
+    time.sleep(3600)  # the test freezes and kills this process
+else:
+    while not client.exists("hb-native:release"):
+        time.sleep(0.01)
+    dist.all_reduce(torch.ones(4))
+"""
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_heartbeats_flow_during_a_blocking_collective_and_stop_when_frozen(redis_server, redis_client,
+                                                                           tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _BLOCKED_WORKER, str(r), str(tmp_path / "init"),
+                               redis_server.url]) for r in range(2)]
+    try:
+        def beat():
+            return read_heartbeats(redis_client, "hb-native", 0, range(1))[0]
+
+        first = _wait_for(lambda: (b := beat()) and b.phase == "sync" and b, "rank 0 inside all_reduce")
+        # Rank 0 is blocked inside the collective (rank 1 has not joined): beats keep coming.
+        later = _wait_for(lambda: (b := beat()) and b.sent_at > first.sent_at + 0.2 and b,
+                          "a heartbeat sent while blocked")
+        assert later.phase == "sync" and not redis_client.exists("hb-native:done")
+        redis_client.set("hb-native:release", "1")
+        _wait_for(lambda: redis_client.exists("hb-native:done"), "the collective to finish")
+        # A frozen process (SIGSTOP) stops refreshing; its key expires within the timeout.
+        procs[0].send_signal(signal.SIGSTOP)
+        _wait_for(lambda: beat() is None, "the frozen worker's heartbeat to expire", timeout=10)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

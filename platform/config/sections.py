@@ -196,9 +196,20 @@ class FaultSpec(Section):
 class HealthSection(Section):
     heartbeat_interval_s: PositiveFloat = 1.0
     heartbeat_timeout_s: PositiveFloat = 5.0
-    hang_timeout_s: PositiveFloat = Field(120.0, description="No step progress for this long is a hang.")
+    hang_timeout_s: PositiveFloat = Field(
+        120.0, description="Hard ceiling: no step progress for this long is a hang, whatever the step times.")
+    hang_safety_factor: Annotated[float, Field(gt=1)] = Field(
+        5.0, description="Once step times are known, no progress for this x the slowest recent step "
+        "(but at least hang_min_s) is a hang.")
+    hang_min_s: PositiveFloat = Field(10.0, description="Floor of the learned hang timeout.")
     straggler_factor: Annotated[float, Field(gt=1)] = Field(1.5, description="Step time x median.")
-    loss_spike_factor: Annotated[float, Field(gt=1)] = 10.0
+    straggler_patience: PositiveInt = Field(
+        5, description="Consecutive steps above straggler_factor x median before a rank is a straggler.")
+    loss_spike_factor: Annotated[float, Field(gt=1)] = Field(
+        10.0, description="A loss above this x the median of recent losses is a spike.")
+    store_outage_grace_s: NonNegativeFloat = Field(
+        10.0, description="After Redis comes back, how long workers get to re-publish heartbeats "
+        "before a missing one counts as dead.")
     faults: list[FaultSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -213,8 +224,13 @@ class HealthSection(Section):
 
 class RecoverySection(Section):
     max_restarts: NonNegativeInt = 10
+    max_restarts_in_window: PositiveInt = Field(5, description="At most this many restarts ...")
+    restart_window_s: PositiveFloat = Field(3600.0, description="... within this many seconds.")
     restart_backoff_s: NonNegativeFloat = 1.0
     evict_on_failed_diagnostics: bool = True
+    evict_stragglers: bool = Field(False, description="Evict a straggler's node (else report it).")
+    skip_after_spikes: PositiveInt = Field(
+        2, description="Loss spikes at the same step before its data window is skipped on restart.")
     diagnostics: list[Literal["compute", "memory", "collective", "store"]] = Field(
         default_factory=lambda: ["compute", "memory", "collective", "store"]
     )

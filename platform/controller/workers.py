@@ -31,7 +31,8 @@ class TrainWorker:
     def run(self) -> dict[str, Any]:
         # torch is imported only in the worker process
         from longrun.checkpoint import Checkpointer, RedisCommitLedger
-        from longrun.trainer import Trainer
+        from longrun.health.faults import FaultInjector
+        from longrun.trainer import NonFiniteError, Trainer
 
         cfg = self.cfg
         client = redis.Redis.from_url(self.redis_url)
@@ -47,12 +48,16 @@ class TrainWorker:
             nonlocal last
             last = m
             metrics.observe_step(m)
-            beat.update(step=m.step, phase="train", loss=m.loss if math.isfinite(m.loss) else None,
-                        step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s)
+            beat.update(step=m.step, loss=m.loss if math.isfinite(m.loss) else None,
+                        loss_finite=math.isfinite(m.loss), step_time_s=m.step_time_s,
+                        tokens_per_s=m.tokens_per_s, memory_bytes=m.memory_bytes)
+            injector.after_step(m.step)
 
         resumed_from = 0
         try:
             with Trainer(cfg) as trainer:
+                trainer.on_phase = lambda phase: beat.update(phase=phase)
+                injector = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model)
                 ckpt = Checkpointer(cfg, ledger=RedisCommitLedger(client, cfg.job.name, self.attempt))
                 beat.update(phase="restore")
                 restored = ckpt.restore(trainer)
@@ -64,6 +69,10 @@ class TrainWorker:
                     trainer.train(on_step=[on_step, ckpt.on_step(trainer)])
                 finally:
                     ckpt.close()  # the last save commits, or its failure is raised
+        except NonFiniteError as exc:
+            beat.update(step=exc.step - 1, loss=None, loss_finite=False)  # the step did not happen
+            beat.stop(final_phase="failed")
+            raise
         except BaseException:
             beat.stop(final_phase="failed")
             raise

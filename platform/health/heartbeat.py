@@ -23,14 +23,17 @@ from longrun import keys
 @dataclass
 class Heartbeat:
     rank: int
-    step: int = 0
-    phase: str = "starting"
-    loss: float | None = None
+    step: int = 0  # optimizer steps completed
+    phase: str = "starting"  # setup, restore, data, forward, backward, sync, optimizer, checkpoint, ...
+    loss: float | None = None  # the last step's global loss; None if not finite
+    loss_finite: bool = True  # False when the last step's loss was NaN/inf
     step_time_s: float | None = None
     tokens_per_s: float | None = None
+    memory_bytes: int | None = None
+    attempt: int = 0
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
-    sent_at: float = 0.0
+    sent_at: float = 0.0  # wall clock of the publisher
 
 
 class HeartbeatPublisher:
@@ -40,7 +43,7 @@ class HeartbeatPublisher:
         self.key = keys.heartbeat_key(job, attempt, rank)
         self.interval_s = interval_s
         self.timeout_ms = int(timeout_s * 1000)
-        self._beat = Heartbeat(rank=rank)
+        self._beat = Heartbeat(rank=rank, attempt=attempt)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
@@ -82,4 +85,10 @@ class HeartbeatPublisher:
 def read_heartbeats(client: redis.Redis, job: str, attempt: int, ranks: range) -> dict[int, Heartbeat | None]:
     """The latest heartbeat of each rank (None where the key expired or never existed)."""
     raw = client.mget([keys.heartbeat_key(job, attempt, r) for r in ranks])
-    return {r: Heartbeat(**json.loads(v)) if v else None for r, v in zip(ranks, raw, strict=True)}
+    return {r: _parse(v) if v else None for r, v in zip(ranks, raw, strict=True)}
+
+
+def _parse(raw: bytes) -> Heartbeat:
+    data = json.loads(raw)
+    known = Heartbeat.__dataclass_fields__
+    return Heartbeat(**{k: v for k, v in data.items() if k in known})  # newer fields: ignored

@@ -236,6 +236,9 @@ class Trainer:
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
         # must finish first).
         self.before_update: list[Callable[[], None]] = []
+        # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
+        # worker puts it in its heartbeat, so a hang report says where the rank was stuck.
+        self.on_phase: Callable[[str], None] = lambda phase: None
         # Sampler position after the last micro-batch consumed by a *completed* step.
         self._data_state = self.sampler.state_dict()
         self._prefetcher: Prefetcher[Any] | None = None
@@ -277,6 +280,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def _summed_token_loss(self, model: torch.nn.Module, mb: MicroBatch | LocalShard,
                            context_parallel: ContextParallelAttention | None = None) -> torch.Tensor:
+        self.on_phase("forward")
         mb = mb.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.training.dtype == "bfloat16"):
@@ -309,8 +313,10 @@ class Trainer:
             flops += self.model.flops_per_token((lens**2).sum() / lens.sum()) * len(mb.tokens)
             with self.dp.micro_batch(last=i == len(batches) - 1):
                 loss = self._summed_token_loss(self.dp.forward, mb)
+                self.on_phase("backward")
                 (loss / loss_tokens).backward()
             loss_sum += loss.detach()
+        self.on_phase("sync")
         return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 
     def forward_backward_planned(self, step: PlannedStep) -> tuple[float, float]:
@@ -329,6 +335,7 @@ class Trainer:
                 continue
             loss_sum += self.micro_batch_pass(rmb, last=last, loss_tokens=loss_tokens)
             flops += flops_share(self.model.flops_per_token, rmb)
+        self.on_phase("sync")
         return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 
     def micro_batch_pass(self, rmb: RankMicroBatch, *, last: bool, loss_tokens: int) -> torch.Tensor:
@@ -343,6 +350,7 @@ class Trainer:
             else:
                 attn = cp_attention_for(rmb, self.cp, self.device)
                 loss = self._summed_token_loss(self.dp.forward, rmb.shard, attn)
+            self.on_phase("backward")
             (loss / loss_tokens).backward()
         return loss.detach()
 
@@ -358,6 +366,7 @@ class Trainer:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.on_phase("data")
         data, wait = self._data(), 0.0
         batches: list[MicroBatch] = []
         planned: PlannedStep | None = None
@@ -387,6 +396,7 @@ class Trainer:
             # state_dict() and a retry in this process agree with the weights.
             self.close()
             raise
+        self.on_phase("optimizer")
         for hook in self.before_update:
             hook()
         self.optimizer.step()

@@ -1,0 +1,80 @@
+"""Fault injection: the faults fault tolerance is proven against, fired for real.
+
+Configured in `health.faults` (off unless listed): on `rank`, once it has completed `step`
+optimizer steps in attempt `attempt`, do `kind`:
+
+- kill   SIGKILL this process: no cleanup, no last heartbeat (a crashed host or an OOM kill);
+- hang   SIGSTOP this process: every thread freezes, heartbeats included (a wedged driver);
+- raise  raise `InjectedFault` from the training loop (a software error);
+- nan    poison one weight with NaN, so the next step's loss is NaN (silent data corruption);
+- slow   sleep `seconds` after every step from then on (a straggler: thermal throttling, a
+         slow link).
+
+Each fault fires in one attempt only, so the restart it causes does not fire it again. Removing
+a whole node is done from outside (the test removes the Ray node).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from longrun.config.sections import FaultSpec
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `raise` fault."""
+
+
+class FaultInjector:
+    """The faults of one rank in one attempt; `after_step` is the trainer's per-step hook."""
+
+    def __init__(self, specs: Sequence[FaultSpec], rank: int, attempt: int,
+                 model: torch.nn.Module | None = None):
+        self.pending = sorted((s for s in specs if s.rank == rank and s.attempt == attempt),
+                              key=lambda s: s.step)
+        self.rank, self.attempt, self.model = rank, attempt, model
+        self.slow_s = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.pending) or self.slow_s > 0
+
+    def after_step(self, step: int) -> None:
+        """Call with the number of steps completed; fires what is due."""
+        while self.pending and self.pending[0].step <= step:
+            self._fire(self.pending.pop(0), step)
+        if self.slow_s:
+            time.sleep(self.slow_s)
+
+    def _fire(self, spec: FaultSpec, step: int) -> None:
+        # Logged and flushed first: the kill and stop faults leave no other trace in the log.
+        log.warning("injecting fault %s on rank %d at step %d (attempt %d)", spec.kind, self.rank,
+                    step, self.attempt)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if spec.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.kind == "raise":
+            raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
+        elif spec.kind == "nan":
+            if self.model is None:
+                raise ValueError("a 'nan' fault needs the model to poison")
+            import torch
+
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = float("nan")
+        elif spec.kind == "slow":
+            self.slow_s = spec.seconds
+        else:  # the config's Literal makes this unreachable; a new kind must be handled here
+            raise ValueError(f"unknown fault kind {spec.kind!r}")

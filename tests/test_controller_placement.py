@@ -1,0 +1,98 @@
+"""Placement: workers reserved node by node in one placement group, never on evicted or
+dead nodes, and a job the cluster can never hold is a clear error, not an eternal PENDING."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from longrun.config import config_from_dict
+from longrun.controller.placement import (
+    NodeInfo,
+    PlacementImpossible,
+    bundle_nodes,
+    choose_nodes,
+    place,
+)
+
+
+def job(nodes: int = 2, per_node: int = 2):
+    return config_from_dict({"job": {"name": "place"}, "cluster": {
+        "nodes": nodes, "workers_per_node": per_node, "device": "cpu"},
+        "parallelism": {"dp": nodes * per_node}})
+
+
+def node(i: int, total: float = 2, free: float | None = None) -> NodeInfo:
+    return NodeInfo(f"id{i}", f"10.0.0.{i}", {"CPU": total}, {"CPU": total if free is None else free})
+
+
+def test_choose_nodes_skips_evicted_and_small_nodes_and_prefers_free_ones():
+    nodes = [node(1, free=0), node(2, total=1), node(3), node(4)]
+    chosen = choose_nodes(job(), nodes, evicted=["id4"])
+    # id2 can never hold 2 workers; id4 is evicted; id3 is free now, so it comes first.
+    assert [n.node_id for n in chosen] == ["id3", "id1"]
+
+
+def test_choose_nodes_explains_an_impossible_job():
+    with pytest.raises(PlacementImpossible) as info:
+        choose_nodes(job(nodes=3), [node(1), node(2), node(3, total=1)], evicted=["id1"])
+    msg = str(info.value)
+    assert "needs 3 node(s) with 2 CPU each" in msg and "has 1 such node(s)" in msg
+    assert "1 evicted" in msg
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    workers = [c.add_node(num_cpus=2) for _ in range(3)]
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    yield c, workers
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_placement_on_a_three_node_cluster(cluster):
+    import ray
+
+    c, workers = cluster
+    first = place(job(), timeout_s=60)
+    try:
+        on = bundle_nodes(first)
+        # Ranks 0-1 share a node, ranks 2-3 share another: the order the topology assumes.
+        assert on == [first.node_ids[0]] * 2 + [first.node_ids[1]] * 2
+        assert len(set(first.node_ids)) == 2
+        assert [first.node_of(r) for r in range(4)] == on
+    finally:
+        first.remove()
+
+    evicted = first.node_ids[0]
+    second = place(job(), evicted=[evicted], timeout_s=60)
+    try:
+        assert evicted not in bundle_nodes(second)
+
+        @ray.remote(num_cpus=1)
+        def where():
+            return ray.get_runtime_context().get_node_id()
+
+        got = ray.get([where.options(scheduling_strategy=second.strategy(r)).remote() for r in range(4)])
+        assert got == bundle_nodes(second)  # each rank's actor runs where its bundle is
+    finally:
+        second.remove()
+
+    with pytest.raises(PlacementImpossible, match="has 2 such node"):
+        place(job(nodes=3), evicted=[evicted], timeout_s=5)
+
+    # A node that leaves the cluster is not chosen again.
+    gone = next(w for w in workers if w.node_id != evicted)
+    c.remove_node(gone)
+    deadline = time.monotonic() + 60  # until the GCS has noticed the node is gone
+    while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == gone.node_id):
+        assert time.monotonic() < deadline, "Ray never marked the removed node dead"
+        time.sleep(0.1)
+    with pytest.raises(PlacementImpossible):
+        place(job(nodes=2), evicted=[evicted], timeout_s=5)
