@@ -55,6 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.set_defaults(func=cmd_run)
 
+    address_help = "the Ray dashboard / Jobs API address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)"
+    submit = sub.add_parser("submit", formatter_class=RichHelpFormatter,
+                            help="submit a job to a Ray cluster (its controller runs there)",
+                            description="Validate the config here, then submit the longrun controller as a "
+                            "Ray job. Waits and streams the job's log unless --no-wait.")
+    _add_config_args(submit)
+    submit.add_argument("--address", default=None, help=address_help)
+    submit.add_argument("--no-wait", action="store_true", help="return once submitted")
+    submit.set_defaults(func=cmd_submit)
+    for name, summary, func in (
+        ("status", "the job's state: Ray's view and the controller's (attempt, step, evictions, events)",
+         "cmd_status"),
+        ("logs", "the job's log", "cmd_logs"),
+        ("stop", "stop a job", "cmd_stop"),
+    ):
+        p = sub.add_parser(name, formatter_class=RichHelpFormatter, help=summary, description=summary)
+        p.add_argument("id", help="the submission id `longrun submit` printed")
+        p.add_argument("--address", default=None, help=address_help)
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true", help="keep streaming until the job ends")
+        p.set_defaults(func=globals()[func])
+    jobs = sub.add_parser("list", formatter_class=RichHelpFormatter, help="longrun jobs on a Ray cluster")
+    jobs.add_argument("--address", default=None, help=address_help)
+    jobs.set_defaults(func=cmd_list)
+
     cfg = sub.add_parser("config", formatter_class=RichHelpFormatter, help="validate or show a job config")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     validate = cfg_sub.add_parser("validate", formatter_class=RichHelpFormatter,
@@ -314,22 +339,92 @@ def cmd_run(args) -> int:
         address = cfg.cluster.address
         if address is None:
             with console.status("starting an embedded Ray head on 127.0.0.1 (takes ~10 s)"):
-                head = stack.enter_context(EmbeddedRay())
+                # One logical CPU per worker at least, so a multi-worker job fits on one machine.
+                head = stack.enter_context(EmbeddedRay(num_cpus=max(os.cpu_count() or 1, cfg.world_size)))
             address = head.address
             console.print(f"ray: embedded head at {address}, dashboard {head.dashboard_url}")
         ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=True)
         stack.callback(ray.shutdown)
 
-        def on_state(state, reason):
-            console.print(f"[cyan]state[/] {state}: {reason}")
+        def on_event(line: str) -> None:
+            console.print(f"[cyan]{escape(line)}[/]", highlight=False)
 
-        summary = run_job(cfg, redis_url, on_state=on_state)
+        summary = run_job(cfg, redis_url, on_event=on_event)
     done = f"[green]done[/]: {summary['step']} steps"
     if summary.get("resumed_from"):
         done += f" (resumed from step {summary['resumed_from']})"
     if summary.get("loss") is not None:
         done += f", final loss {summary['loss']:.4f}"
     console.print(done)
+    return 0
+
+
+def _address(args) -> str:
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        from longrun.submit import SubmitError
+
+        raise SubmitError("no cluster given: pass --address http://HOST:8265 or set RAY_ADDRESS")
+    return address
+
+
+def cmd_submit(args) -> int:
+    from longrun import submit
+
+    cfg = _load(args)  # a bad config is refused here, before anything reaches the cluster
+    address = _address(args)
+    job_id = submit.submit(cfg, address)
+    console.print(f"submitted [bold]{job_id}[/] to {address}", highlight=False)
+    if args.no_wait:
+        print(job_id)
+        return 0
+    submit.logs(address, job_id, follow=True, write=lambda chunk: print(chunk, end="", flush=True))
+    final = submit.wait(address, job_id, timeout_s=60)
+    console.print(f"job {job_id}: {final}", highlight=False)
+    return 0 if final == "SUCCEEDED" else 1
+
+
+def cmd_status(args) -> int:
+    from longrun import submit
+
+    info = submit.status(_address(args), args.id)
+    view = info["controller"]
+    out.print(f"job {info['id']}: ray {info['ray_status']}"
+                  + (f" ({escape(info['message'])})" if info["message"] else ""), highlight=False)
+    out.print(f"controller: {view.state or 'not started'}"
+                  + (f" ({escape(view.reason)})" if view.reason else ""), highlight=False)
+    out.print(f"attempt {view.attempt}, step {view.step or '-'}"
+                  + (f", loss {view.loss:.4f}" if view.loss is not None else ""), highlight=False)
+    out.print(f"evicted nodes: {', '.join(view.evicted) or 'none'}", highlight=False)
+    for line in view.events:
+        out.print(f"  {escape(line)}", highlight=False)
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from longrun import submit
+
+    submit.logs(_address(args), args.id, follow=args.follow,
+                write=lambda chunk: print(chunk, end="", flush=True))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from longrun import submit
+
+    stopped = submit.stop(_address(args), args.id)
+    out.print(f"{args.id}: {'stop requested' if stopped else 'already ended'}", highlight=False)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from longrun import submit
+
+    jobs = submit.list_jobs(_address(args))
+    if not jobs:
+        out.print("no longrun jobs on this cluster")
+    for job in jobs:
+        out.print(f"{job['id']}  {job['status']:10s}  {job['job']}", highlight=False)
     return 0
 
 
@@ -350,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             return _checkpoint_error(exc)
         from longrun.controller.driver import JobFailed, UnsupportedJob
         from longrun.services import ServiceError
+        from longrun.submit import SubmitError
 
-        if isinstance(exc, ServiceError | JobFailed | UnsupportedJob):
+        if isinstance(exc, ServiceError | JobFailed | UnsupportedJob | SubmitError):
             console.print(f"[red]error[/]: {exc}", highlight=False)
             return 1
         raise

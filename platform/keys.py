@@ -37,6 +37,16 @@ def job_events_key(job: str) -> str:
     return f"{job_prefix(job)}events"
 
 
+def job_restarts_key(job: str) -> str:
+    """The restart history (a list of JSON records): the restart budget's memory."""
+    return f"{job_prefix(job)}restarts"
+
+
+def job_evicted_key(job: str) -> str:
+    """Evicted Ray node ids -> why (a hash): never placed on again by this job."""
+    return f"{job_prefix(job)}evicted"
+
+
 def heartbeat_key(job: str, attempt: int, rank: int) -> str:
     return f"{attempt_prefix(job, attempt)}hb:{rank}"
 

@@ -96,9 +96,9 @@ def test_run_refuses_a_bad_config_before_starting_anything(repo_root, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_run_explains_multi_worker_is_not_available_yet(repo_root, tmp_path):
+def test_run_explains_what_the_controller_does_not_run_yet(repo_root, tmp_path):
     out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "cluster.workers_per_node=2",
-                  "--set", "parallelism.dp=2", "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
+                  "--set", "parallelism.tp=2", "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 1
-    assert "single-worker jobs" in out.stderr
+    assert "data-parallel jobs for now" in out.stderr
     assert "starting an embedded" not in out.stderr  # refused before starting any service

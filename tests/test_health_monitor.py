@@ -219,3 +219,17 @@ def test_a_4096_rank_poll_works():
         snapshot[4000] = None
         found += monitor.observe(snapshot, now=200.0 + step)
     assert kinds(found) == [(FaultKind.DEAD, 4000), (FaultKind.STRAGGLER, 1234)]
+
+
+def test_a_finished_rank_is_not_judged_when_its_heartbeat_expires():
+    from longrun.config.sections import HealthSection
+    from longrun.health.heartbeat import Heartbeat
+    from longrun.health.monitor import HealthMonitor
+
+    health = HealthSection(heartbeat_interval_s=1, heartbeat_timeout_s=5)
+    monitor = HealthMonitor(2, health, started_at=0.0, startup_grace_s=10)
+    beats = {0: Heartbeat(rank=0, step=5, sent_at=1.0), 1: Heartbeat(rank=1, step=5, sent_at=1.0)}
+    assert monitor.observe(beats, now=1.0) == []
+    monitor.finished(0)
+    faults = monitor.observe({0: None, 1: None}, now=2.0)  # both keys gone; only rank 1 is dead
+    assert [(f.kind, f.rank) for f in faults] == [("dead", 1)]

@@ -114,13 +114,14 @@ class Checkpointer:
 
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, trainer, world_group: dist.ProcessGroup | None = None,
-                dp_group: dist.ProcessGroup | None = None) -> Restored | None:
-        """Load the newest usable checkpoint into `trainer`; None (and no change) if there is
-        none. Collective over the groups when given."""
+                dp_group: dist.ProcessGroup | None = None, *,
+                before_step: int | None = None) -> Restored | None:
+        """Load the newest usable checkpoint (below `before_step` if given) into `trainer`;
+        None (and no change) if there is none. Collective over the groups when given."""
         restored = restore_latest(
             self.fs, self.root, model=self.cfg.model.model_dump(mode="json"), rank=self.rank,
             world_size=self.world_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-            world_group=world_group, dp_group=dp_group)
+            world_group=world_group, dp_group=dp_group, before_step=before_step)
         if restored is not None:
             trainer.load_state_dict(restored.state)
             log.info("resumed from step %d of %s", restored.step, self.root)

@@ -130,11 +130,16 @@ def broadcast_tree(tree: Any, group: dist.ProcessGroup | None) -> Any:
 def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str, Any],
                    rank: int = 0, world_size: int = 1, dp_rank: int = 0, dp_size: int = 1,
                    world_group: dist.ProcessGroup | None = None,
-                   dp_group: dist.ProcessGroup | None = None) -> Restored | None:
+                   dp_group: dist.ProcessGroup | None = None,
+                   before_step: int | None = None) -> Restored | None:
     """The newest committed checkpoint every rank could read and verify, or None if there is
-    none. Collective over `world_group` and `dp_group` when given."""
+    none; only steps below `before_step` when given (to go back before a loss spike).
+    Collective over `world_group` and `dp_group` when given."""
     skipped: list[tuple[int, str]] = []
-    for step in reversed(committed_steps(fs, root)):
+    steps = committed_steps(fs, root)
+    if before_step is not None:
+        steps = [s for s in steps if s < before_step]
+    for step in reversed(steps):
         problem = None
         replicated = per_rank = None
         try:

@@ -35,6 +35,8 @@ class JobRecordStore:
         self.job = job
         self.record_key = keys.job_record_key(job)
         self.events_key = keys.job_events_key(job)
+        self.restarts_key = keys.job_restarts_key(job)
+        self.evicted_key = keys.job_evicted_key(job)
 
     def record_transition(self, move: Transition, attempt: int) -> None:
         event = {"type": "transition", "from": move.source, "to": move.target,
@@ -67,6 +69,30 @@ class JobRecordStore:
             updated_at=float(data.get("updated_at", 0.0)),
             fields=data,
         )
+
+    def event(self, kind: str, attempt: int, message: str, **extra: Any) -> None:
+        """An event that is not a state change (a fault seen, a decision, an eviction)."""
+        entry = {"type": kind, "attempt": attempt, "reason": message, "at": time.time(), **extra}
+        with self.client.pipeline() as pipe:
+            pipe.rpush(self.events_key, json.dumps(entry))
+            pipe.ltrim(self.events_key, -MAX_EVENTS, -1)
+            pipe.execute()
+
+    def add_restart(self, record: dict[str, Any]) -> None:
+        self.client.rpush(self.restarts_key, json.dumps(record))
+
+    def restarts(self) -> list[dict[str, Any]]:
+        return [json.loads(item) for item in self.client.lrange(self.restarts_key, 0, -1)]
+
+    def evict(self, node: str, reason: str) -> None:
+        self.client.hset(self.evicted_key, node, reason)
+
+    def evicted(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(self.evicted_key).items()}
+
+    def reset(self) -> None:
+        """Forget a finished job's history, so its name can be reused from scratch."""
+        self.client.delete(self.record_key, self.events_key, self.restarts_key, self.evicted_key)
 
     def events(self, last: int = 50) -> list[dict]:
         return [json.loads(item) for item in self.client.lrange(self.events_key, -last, -1)]

@@ -2,8 +2,11 @@
 
 It is the seam between the two worlds: Ray places and supervises it; inside, it runs the
 trainer, which never sees Ray. It wires the trainer's per-step hook to the heartbeat (for
-the controller), to Prometheus (for operators) and to the checkpointer (resume on start, save
-every checkpoint.interval_steps).
+the controller), to Prometheus (for operators), to the checkpointer (resume on start, save
+every checkpoint.interval_steps) and to the fault injector (tests and chaos runs).
+
+With more than one worker it first joins the attempt's communication groups through the
+Redis rendezvous (`commgroup`), in the node order the controller placed the ranks in.
 """
 
 from __future__ import annotations
@@ -13,20 +16,55 @@ from typing import Any
 
 import redis
 
+from longrun import keys
 from longrun.config import JobConfig
 from longrun.health.heartbeat import HeartbeatPublisher
 from longrun.observability.metrics import WorkerMetrics
 
 
 class TrainWorker:
-    """Plain class; the controller wraps it with `ray.remote(...)` and its resources."""
+    """Plain class; the controller wraps it with `ray.remote(...)` and its resources.
+    `node_ids[i]` is the Ray node of node index i (rank r is on node r // workers_per_node)."""
 
-    def __init__(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str):
+    def __init__(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
+                 node_ids: list[str] | None = None, resume_before_step: int | None = None):
         self.cfg = JobConfig.model_validate(config)
         self.rank = rank
         self.attempt = attempt
         self.redis_url = redis_url
+        self.node_ids = node_ids or ["local"]
+        self.resume_before_step = resume_before_step
         self.metrics_port: int | None = None
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def diagnose(self) -> dict[str, Any]:
+        """The self-checks of `recovery.diagnostics` on this worker; the collective check
+        runs among the workers of this node (a group made for it over the Redis store)."""
+        import torch
+
+        from longrun.commgroup.store import RedisStore
+        from longrun.health.diagnostics import run_diagnostics
+        from longrun.trainer.loop import resolve_device
+
+        cfg = self.cfg
+        per_node = cfg.cluster.workers_per_node
+        node_index, local_rank = divmod(self.rank, per_node)
+        store = None
+        if per_node > 1 and "collective" in cfg.recovery.diagnostics:
+            prefix = f"{keys.attempt_prefix(cfg.job.name, self.attempt)}diag:{node_index}:"
+            store = (RedisStore(self.redis_url, namespace=prefix), local_rank, per_node)
+        device = resolve_device(cfg.cluster.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        report = run_diagnostics(cfg.recovery.diagnostics, node=self.node_ids[node_index],
+                                 rank=self.rank, device=device, redis_url=self.redis_url,
+                                 node_group=store)
+        return {"node": report.node, "rank": report.rank, "ok": report.ok, "reason": report.reason,
+                "checks": [(c.name, c.ok, c.seconds, c.detail) for c in report.checks]}
 
     def run(self) -> dict[str, Any]:
         # torch is imported only in the worker process
@@ -43,6 +81,7 @@ class TrainWorker:
         self.metrics_port = metrics.serve(obs.metrics_host, obs.metrics_port)
         beat.update(phase="setup")
         last = None
+        groups = None
 
         def on_step(m) -> None:
             nonlocal last
@@ -55,15 +94,29 @@ class TrainWorker:
 
         resumed_from = 0
         try:
-            with Trainer(cfg) as trainer:
+            world_group = dp_group = None
+            dp_rank, dp_size = 0, 1
+            if cfg.world_size > 1:
+                beat.update(phase="rendezvous")
+                groups = self._join_groups()
+                world_group, dp_group = groups.world, groups.dp
+                import torch.distributed as dist
+
+                dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+            with Trainer(cfg, dp_group=dp_group) as trainer:
                 trainer.on_phase = lambda phase: beat.update(phase=phase)
                 injector = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model)
-                ckpt = Checkpointer(cfg, ledger=RedisCommitLedger(client, cfg.job.name, self.attempt))
+                ckpt = Checkpointer(cfg, rank=self.rank, world_size=cfg.world_size, dp_rank=dp_rank,
+                                    dp_size=dp_size,
+                                    ledger=RedisCommitLedger(client, cfg.job.name, self.attempt))
                 beat.update(phase="restore")
-                restored = ckpt.restore(trainer)
+                restored = ckpt.restore(trainer, world_group, dp_group,
+                                        before_step=self.resume_before_step)
                 if restored is not None:
                     resumed_from = restored.step
-                    print(f"resumed from the checkpoint of step {restored.step}", flush=True)
+                    beat.update(step=restored.step)
+                    if self.rank == 0:
+                        print(f"resumed from the checkpoint of step {restored.step}", flush=True)
                 trainer.before_update.append(ckpt.before_update)
                 try:
                     trainer.train(on_step=[on_step, ckpt.on_step(trainer)])
@@ -77,6 +130,8 @@ class TrainWorker:
             beat.stop(final_phase="failed")
             raise
         finally:
+            if groups is not None:
+                groups.teardown()
             metrics.close()
             client.close()
         beat.stop(final_phase="done")
@@ -84,3 +139,14 @@ class TrainWorker:
                 "loss": last.loss if last else None,
                 "tokens_per_s": last.tokens_per_s if last else None,
                 "metrics_port": self.metrics_port}
+
+    def _join_groups(self):
+        from longrun.commgroup import NodeSpec, ParallelDims, init_parallel_groups, make_layout
+
+        cfg, par = self.cfg, self.cfg.parallelism
+        if par.tp * par.cp * par.pp > 1:
+            raise NotImplementedError("the controller runs data-parallel jobs; tp, cp and pp come next")
+        layout = make_layout([NodeSpec(n) for n in self.node_ids], cfg.cluster.workers_per_node,
+                             ParallelDims(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp))
+        return init_parallel_groups(self.redis_url, job=cfg.job.name, attempt=self.attempt,
+                                    rank=self.rank, layout=layout)

@@ -71,6 +71,7 @@ class _RankTrack:
     slow_streak: int = 0
     streak_step: int | None = None  # the last step judged for straggling
     straggling: bool = False
+    finished: bool = False  # completed its work: no longer judged (its heartbeat will expire)
 
 
 class HealthMonitor:
@@ -111,6 +112,8 @@ class HealthMonitor:
         # polls about once a second with thousands of ranks.
         for rank in range(self.world_size):
             track = self._ranks[rank]
+            if track.finished:
+                continue
             beat = beats.get(rank)
             if beat is None:
                 if not track.dead and (fault := self._judge_missing(rank, track, now, clock)):
@@ -136,6 +139,10 @@ class HealthMonitor:
                 loss_beat = beat  # the global loss is the same on every rank: the lowest live one will do
         return (dead + hangs + self._judge_stragglers(straggler_candidates, step_times, now)
                 + self._judge_nan(nan_steps, now) + self._judge_loss(loss_beat, now))
+
+    def finished(self, rank: int) -> None:
+        """`rank` completed its work: its heartbeat stops and expires, which is not a death."""
+        self._ranks[rank].finished = True
 
     def store_unreachable(self, now: float) -> None:
         """The controller could not read Redis this poll: judge nothing until it can again."""

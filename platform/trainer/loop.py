@@ -210,6 +210,9 @@ class Trainer:
                  context_parallel: ContextParallelSetup | None = None,
                  peak_flops: float | None = None, progress: bool = True):
         self.cfg = cfg
+        # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
+        # worker puts it in its heartbeat, so a hang report says where the rank was stuck.
+        self.on_phase: Callable[[str], None] = lambda phase: None
         self.device = resolve_device(cfg.cluster.device, device)
         self.peak_flops = peak_flops
         seed_everything(cfg.job.seed)
@@ -236,9 +239,6 @@ class Trainer:
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
         # must finish first).
         self.before_update: list[Callable[[], None]] = []
-        # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
-        # worker puts it in its heartbeat, so a hang report says where the rank was stuck.
-        self.on_phase: Callable[[str], None] = lambda phase: None
         # Sampler position after the last micro-batch consumed by a *completed* step.
         self._data_state = self.sampler.state_dict()
         self._prefetcher: Prefetcher[Any] | None = None
