@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,7 +51,9 @@ def submit(cfg: JobConfig, address: str) -> str:
     staging = Path(tempfile.mkdtemp(prefix="longrun-submit-"))
     (staging / "config.yaml").write_text(cfg.to_yaml())
     submission_id = f"longrun-{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    entrypoint = f"{Path(sys.executable).name} -m longrun.cli run config.yaml --set cluster.address=auto"
+    # `python` of the cluster's environment (a cluster image, or the interpreter of an embedded
+    # head), not this client's path, which need not exist there.
+    entrypoint = "python -m longrun.cli run config.yaml --set cluster.address=auto"
     try:
         return jobs.submit_job(
             entrypoint=entrypoint, submission_id=submission_id,

@@ -214,3 +214,14 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run():
                       job={"name": "t", "seed": 2}), progress=False) as other_seed:
         other_seed.train()
         assert not torch.equal(_weights(other_seed)["norm.weight"], expected["norm.weight"])
+
+
+def test_non_finite_errors_survive_pickling():
+    """They travel from a Ray worker to the controller, which reads their step."""
+    import pickle
+
+    from longrun.trainer import NonFiniteGradientError, NonFiniteLossError
+
+    for err in (NonFiniteLossError(4, float("nan")), NonFiniteGradientError(7, float("inf"))):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and back.step == err.step and str(back) == str(err)

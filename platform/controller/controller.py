@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 import redis
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from longrun.config import JobConfig
 from longrun.controller.job_state import JobRecordStore
@@ -146,8 +146,9 @@ class Controller:
         """Poll until every rank finished (returns []) or something went wrong (the incidents)."""
         monitor = HealthMonitor(self.cfg.world_size, self.cfg.health, started_at=self.clock())
         ranks = range(self.cfg.world_size)
+        incidents: list[Incident] = []
+        settle_until: float | None = None
         while attempt.runs:
-            incidents: list[Incident] = []
             done, _ = ray.wait(list(attempt.runs), num_returns=len(attempt.runs), timeout=self.poll_s)
             now, wall = self.clock(), time.time()  # the monitor's clock; the policy's (persisted)
             for ref in done:
@@ -171,8 +172,15 @@ class Controller:
                 if steps:
                     self._progress(beats)
             if incidents:
-                return incidents
-        return []
+                # An exception on a healthy rank is usually the echo of a peer's death (its
+                # collective failed): give the cause up to a heartbeat timeout to show itself,
+                # so the policy blames the dead rank's node, not the messenger.
+                if any(i.kind != "exception" for i in incidents):
+                    return incidents
+                settle_until = settle_until or now + self.cfg.health.heartbeat_timeout_s
+                if now >= settle_until:
+                    return incidents
+        return incidents
 
     def _progress(self, beats) -> None:
         live = [b for b in beats.values() if b is not None]
@@ -194,6 +202,10 @@ class Controller:
         except RayActorError as exc:
             return Incident(kind="dead", rank=rank, node=node, step=None, at=now,
                             detail=f"rank {rank}'s process died ({type(exc).__name__})")
+        except RayError as exc:  # e.g. an exception Ray could not bring back: still a failure
+            text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            return Incident(kind="exception", rank=rank, node=node, step=None, at=now,
+                            detail=f"rank {rank} failed: {text[:300]}")
 
     # -- the whole job -----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

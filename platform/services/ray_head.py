@@ -79,6 +79,9 @@ class EmbeddedRay:
         if self.num_cpus is not None:
             argv.append(f"--num-cpus={self.num_cpus}")
         env = dict(os.environ, **LOOPBACK_ENV)
+        # Jobs submitted to this head run `python ...` in its environment: make that this
+        # interpreter (the one with longrun installed), whether or not a venv is activated.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         self.process = ManagedProcess("ray-head", argv, self.temp_dir / "head.log", env=env)
         try:
             self._wait_ready()

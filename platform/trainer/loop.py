@@ -74,16 +74,29 @@ class NonFiniteError(RuntimeError):
         )
 
 
+    def __reduce__(self):
+        # Rebuilt from the constructor's own arguments: the default pickling would call
+        # __init__ with the message alone, so the error could not cross process boundaries
+        # (a Ray worker raising it to the controller).
+        return type(self), (self.step, self.quantity, self.value)
+
+
 class NonFiniteLossError(NonFiniteError):
     def __init__(self, step: int, loss: float):
         super().__init__(step, "loss", loss)
         self.loss = loss
+
+    def __reduce__(self):
+        return type(self), (self.step, self.loss)
 
 
 class NonFiniteGradientError(NonFiniteError):
     def __init__(self, step: int, grad_norm: float):
         super().__init__(step, "gradient norm", grad_norm)
         self.grad_norm = grad_norm
+
+    def __reduce__(self):
+        return type(self), (self.step, self.grad_norm)
 
 
 @dataclass
