@@ -54,6 +54,7 @@ class Attempt:
     runs: dict[Any, int] = field(default_factory=dict)  # pending run() ref -> rank
     summaries: dict[int, dict] = field(default_factory=dict)
     resume_before_step: int | None = None
+    monitor: HealthMonitor | None = None  # one per attempt: what it learned survives a CONTINUE
 
 
 def worker_options(cfg: JobConfig) -> dict[str, float]:
@@ -144,7 +145,9 @@ class Controller:
 
     def _watch(self, attempt: Attempt) -> list[Incident]:
         """Poll until every rank finished (returns []) or something went wrong (the incidents)."""
-        monitor = HealthMonitor(self.cfg.world_size, self.cfg.health, started_at=self.clock())
+        if attempt.monitor is None:
+            attempt.monitor = HealthMonitor(self.cfg.world_size, self.cfg.health, started_at=self.clock())
+        monitor = attempt.monitor
         ranks = range(self.cfg.world_size)
         incidents: list[Incident] = []
         settle_until: float | None = None
@@ -226,24 +229,23 @@ class Controller:
                     self._recover_or_fail(None, decision)
                     continue
                 failed_nodes = self._diagnose(attempt)
-                incidents: list[Incident] = []
-                if not failed_nodes:
+                if failed_nodes:
+                    decision = self._decide([], failed_nodes)
+                else:
                     self._move(JobState.RENDEZVOUS, f"forming groups of {self.cfg.world_size} rank(s)")
                     attempt.runs = {a.run.remote(): r for r, a in enumerate(attempt.actors)}
                     self._move(JobState.RUNNING, "training")
-                    incidents = self._watch(attempt)
-                    if not incidents:
+                    decision = None
+                    while incidents := self._watch(attempt):
+                        for incident in incidents:
+                            self._event("fault", incident.detail, fault=incident.kind,
+                                        rank=incident.rank, node=incident.node, step=incident.step)
+                        decision = self._decide(incidents, {})
+                        if decision.action is not Action.CONTINUE:
+                            break
+                        self._event("decision", decision.reason)  # reported; keep watching
+                    else:
                         return self._succeed(attempt)
-                for incident in incidents:
-                    self._event("fault", incident.detail, fault=incident.kind, rank=incident.rank,
-                                node=incident.node, step=incident.step)
-                decision = self._decide(incidents, failed_nodes)
-                if decision.action is Action.CONTINUE:  # only reportable faults: keep watching
-                    self._event("decision", decision.reason)
-                    incidents = self._watch(attempt)
-                    if not incidents:
-                        return self._succeed(attempt)
-                    decision = self._decide(incidents, {})
                 self._stop_attempt(attempt)
                 resume_before = self._recover_or_fail(attempt, decision)
         except KeyboardInterrupt:
