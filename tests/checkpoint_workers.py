@@ -27,8 +27,8 @@ def weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def resume_across_attempts(rank: int, world: int, init_file: str, redis_url: str, root: str,
-                           results) -> None:
+def resume_across_attempts(rank: int, world: int, init_file: str, results, redis_url: str,
+                           root: str) -> None:
     """Attempt 0 trains 5 of 8 steps (a checkpoint at step 3) and stops; attempt 1 restores
     (model read by rank 0 only and broadcast) and finishes. Reports whether the weights equal
     an uninterrupted run's, bit for bit."""

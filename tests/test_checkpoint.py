@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import itertools
 import json
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -22,6 +21,7 @@ import fsspec
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+from worlds import run_world
 
 from longrun.checkpoint import (
     Checkpointer,
@@ -76,20 +76,8 @@ def test_resume_from_a_checkpoint_is_bitwise_equal_to_an_uninterrupted_run(tmp_p
 
 
 def test_world_of_four_resumes_bitwise_reading_the_model_once(tmp_path, redis_server):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     root = str(tmp_path / "ckpt")
-    args = (4, str(tmp_path / "init"), redis_server.url, root, results)
-    procs = [ctx.Process(target=w.resume_across_attempts, args=(r, *args)) for r in range(4)]
-    for p in procs:
-        p.start()
-    out = []
-    while len(out) < 4:
-        out.append(results.get(timeout=240))
-        assert out[-1][1] != "error", out[-1][2]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    out = run_world(w.resume_across_attempts, 4, tmp_path, args=(redis_server.url, root))
     assert sorted(out) == [(r, 3, True) for r in range(4)]
     fs, base = fsspec.core.url_to_fs(root)
     manifest = read_manifest(fs, base, 8)

@@ -32,7 +32,13 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from longrun.config import JobConfig
 from longrun.controller.job_state import JobRecordStore
-from longrun.controller.placement import Placement, PlacementImpossible, PlacementTimeout, place
+from longrun.controller.placement import (
+    Placement,
+    PlacementImpossible,
+    PlacementTimeout,
+    place,
+    worker_bundle,
+)
 from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.workers import TrainWorker
 from longrun.health.heartbeat import read_heartbeats
@@ -58,7 +64,9 @@ class Attempt:
 
 
 def worker_options(cfg: JobConfig) -> dict[str, float]:
-    return {"num_gpus": 1, "num_cpus": 1} if cfg.cluster.device == "cuda" else {"num_cpus": 1}
+    """The actor's resources: exactly its placement bundle."""
+    bundle = worker_bundle(cfg)
+    return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0)}
 
 
 class Controller:
@@ -171,8 +179,7 @@ class Controller:
                 incidents += [Incident(kind=str(f.kind), rank=f.rank,
                                        node=attempt.placement.node_of(f.rank) if f.rank is not None else None,
                                        step=f.step, at=wall, detail=f.detail) for f in faults]
-                steps = [b.step for b in beats.values() if b is not None]
-                if steps:
+                if any(b is not None for b in beats.values()):
                     self._progress(beats)
             if incidents:
                 # An exception on a healthy rank is usually the echo of a peer's death (its

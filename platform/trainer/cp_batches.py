@@ -188,15 +188,6 @@ def planned_steps(global_batches: Iterator[MicroBatch], setup: ContextParallelSe
         yield plan_step(split_documents(batch), setup, token_budget, batch.sampler_state)
 
 
-def flops_share(model_flops_per_token: Callable[[float], float], rmb: RankMicroBatch) -> float:
-    """This rank's share of the model FLOPs of a micro-batch (for MFU)."""
-    if rmb.batch is None:
-        return 0.0
-    lens = rmb.batch.seq_lens.astype(np.float64)
-    total = model_flops_per_token((lens**2).sum() / lens.sum()) * lens.sum()
-    return total / rmb.group.cp
-
-
 def cp_attention_for(rmb: RankMicroBatch, setup: ContextParallelSetup, device: torch.device):
     """The attention object the model uses for this micro-batch (None: plain packed)."""
     from longrun.trainer.context_parallel import ContextParallelAttention

@@ -42,7 +42,6 @@ from longrun.trainer.cp_batches import (
     PlannedStep,
     RankMicroBatch,
     cp_attention_for,
-    flops_share,
     planned_steps,
 )
 from longrun.trainer.cp_layout import LocalShard
@@ -321,9 +320,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         flops = 0.0
         for i, mb in enumerate(batches):
-            lens = mb.seq_lens.astype(np.float64)
-            # sum(l^2)/sum(l) makes the PaLM attention term exact for packed documents.
-            flops += self.model.flops_per_token((lens**2).sum() / lens.sum()) * len(mb.tokens)
+            flops += self.model.flops_of_documents(mb.seq_lens)
             with self.dp.micro_batch(last=i == len(batches) - 1):
                 loss = self._summed_token_loss(self.dp.forward, mb)
                 self.on_phase("backward")
@@ -347,7 +344,8 @@ class Trainer:
             if rmb.idle and not last:
                 continue
             loss_sum += self.micro_batch_pass(rmb, last=last, loss_tokens=loss_tokens)
-            flops += flops_share(self.model.flops_per_token, rmb)
+            if not rmb.idle:  # this rank's share of its group's work
+                flops += self.model.flops_of_documents(rmb.batch.seq_lens) / rmb.group.cp
         self.on_phase("sync")
         return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 

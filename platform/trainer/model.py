@@ -314,6 +314,12 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, layout)
         return self.output(self.norm(h))
 
+    def flops_of_documents(self, lengths: np.ndarray) -> float:
+        """Training FLOPs of one packed micro-batch of documents of these lengths: per token,
+        with the attention term at sum(l^2) / sum(l), which makes it exact for packed documents."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        return self.flops_per_token((lens**2).sum() / lens.sum()) * lens.sum()
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (a tied matrix counted once). exclude_embedding drops the input
         embedding table, which is a lookup, not a matmul."""
