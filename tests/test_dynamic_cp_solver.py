@@ -296,3 +296,12 @@ def test_the_trainer_plans_the_next_global_batch_in_its_data_thread(monkeypatch)
     assert metrics.step == 2 and np.isfinite(metrics.loss)
     assert len(threads) >= 3  # steps 1, 2 and at least the next one, planned ahead
     assert set(threads) == {"longrun-prefetch"}
+
+
+def test_bad_context_parallel_setups_are_refused_with_the_reason():
+    from longrun.trainer.cp_batches import build_setup, setup_from_parallel_groups
+
+    with pytest.raises(ValueError, match="increasing order and hold rank 0"):
+        build_setup([1, 0], 0, cost=COST, dynamic=True, static_cp=2)
+    with pytest.raises(ValueError, match="cp_impl 'ulysses' needs Ulysses sub-groups"):
+        setup_from_parallel_groups(None, cost=COST, dynamic=True, static_cp=2, impl="ulysses")

@@ -64,3 +64,17 @@ def test_a_bad_config_is_refused_before_contacting_the_cluster(repo_root, tmp_pa
     out = longrun("submit", repo_root / "examples" / "tiny.yaml", "--address", address,
                   "--set", "training.steps=-1", cwd=tmp_path)
     assert out.returncode == 2 and "training.steps" in out.stderr
+
+
+def test_status_of_an_unknown_job_is_a_clear_error(head, tmp_path):
+    out = longrun("status", "longrun-nope-20000101-000000", "--address", head.dashboard_url, cwd=tmp_path)
+    assert out.returncode == 1 and "no job 'longrun-nope-20000101-000000'" in out.stderr
+
+
+def test_commands_without_a_cluster_address_say_how_to_give_one(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "longrun.cli", "list"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 1 and "pass --address" in out.stderr
