@@ -166,3 +166,87 @@ def test_a_removed_node_is_replaced_by_the_spare(cluster, reference, redis_serve
     final_nodes = json.loads(JobRecordStore(redis_client, cfg.job.name).read().fields["nodes"])
     assert victim not in final_nodes
     _assert_same_weights(final_weights(cfg), reference)
+
+
+def test_a_redis_restart_mid_run_is_ridden_out_without_a_false_fault(cluster, reference, tmp_path):
+    """Redis is SIGKILLed while the job trains (and commits a checkpoint) and comes back a few
+    seconds later on the same port with the same password and its append-only file: the
+    heartbeats and the job record reconnect, no rank is declared dead, nothing restarts,
+    and the weights are those of the uninterrupted run."""
+    import signal
+    import threading
+    import time
+
+    from longrun.services import EmbeddedRedis
+    from longrun.services.ports import free_port
+
+    port, password, data = free_port(), "restart-me", tmp_path / "redis-data"
+    server = EmbeddedRedis(port=port, password=password, persist_dir=data).start()
+    url = server.url
+    cfg = job("redis-restart", tmp_path, faults=[{"rank": 0, "step": 2, "kind": "slow", "seconds": 1.0}])
+    result: dict = {}
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.update(Controller(cfg, url).run())
+        except BaseException as exc:  # surfaced by the assertions below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        watcher = server.client(socket_timeout=5)
+        _wait_for_step(watcher, cfg.job.name, 3)
+        watcher.close()
+        os.kill(server.process.pid, signal.SIGKILL)  # a crash: no shutdown, no final save
+        server.stop()
+        time.sleep(4.0)  # the outage itself (the fault being injected), longer than heartbeat_timeout_s
+        server = EmbeddedRedis(port=port, password=password, persist_dir=data).start()
+        thread.join(600)
+        assert not thread.is_alive() and not errors, errors
+        assert result["step"] == STEPS and result["restarts"] == 0 and result["attempt"] == 0
+        _assert_same_weights(final_weights(cfg), reference)
+        client = server.client()
+        events = job_status(client, cfg.job.name, events=200)["events"]
+        client.close()
+        outages = [e for e in events if e["type"] == "store_outage"]
+        assert outages and outages[0]["seconds"] >= 3.0, events  # the controller saw it ...
+        assert not [e for e in events if e["type"] == "fault"], events  # ... and blamed no rank
+        assert [e["to"] for e in events if e["type"] == "transition"][-1] == "SUCCEEDED"
+    finally:
+        thread.join(600)
+        server.stop()
+
+
+def chaos_faults(seed: int, count: int) -> list[dict]:
+    """One fault per attempt (each fault fires only in its own attempt), at random ranks,
+    steps and kinds. A step the attempt resumed past fires at its first completed step."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"rank": rng.randrange(4), "step": rng.randrange(1, STEPS), "attempt": attempt,
+             "kind": rng.choice(["kill", "hang", "raise", "nan"])} for attempt in range(count)]
+
+
+def test_chaos_random_faults_until_the_end_lose_nothing(cluster, reference, redis_server, redis_client,
+                                                        tmp_path):
+    """A bounded chaos run (3 faults; LONGRUN_CHAOS_FAULTS for more, LONGRUN_CHAOS_SEED to
+    replay one): every fault is detected and recovered from, each costs exactly one restart,
+    and the job ends with the uninterrupted run's weights."""
+    import time
+
+    seed = int(os.environ.get("LONGRUN_CHAOS_SEED", time.time_ns() % 100_000))
+    count = int(os.environ.get("LONGRUN_CHAOS_FAULTS", 3))
+    faults = chaos_faults(seed, count)
+    replay = f"replay with LONGRUN_CHAOS_SEED={seed}: {faults}"
+    cfg = job("chaos", tmp_path, faults=faults, max_restarts=count, max_restarts_in_window=count)
+    summary = Controller(cfg, redis_server.url).run()
+    assert summary["step"] == STEPS, replay
+    assert summary["restarts"] == count and summary["attempt"] == count, replay
+    _assert_same_weights(final_weights(cfg), reference)
+    events = job_status(redis_client, cfg.job.name, events=1000)["events"]
+    injected = [e for e in events if e["type"] == "fault_injected"]
+    assert [e["attempt"] for e in injected] == list(range(count)), replay
+    for spec, fired in zip(faults, injected, strict=True):
+        assert (fired["fault"], fired["rank"]) == (spec["kind"], spec["rank"]), replay

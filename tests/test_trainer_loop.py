@@ -225,3 +225,24 @@ def test_non_finite_errors_survive_pickling():
     for err in (NonFiniteLossError(4, float("nan")), NonFiniteGradientError(7, float("inf"))):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and back.step == err.step and str(back) == str(err)
+
+
+def test_skipped_steps_consume_their_data_without_training():
+    """The policy's answer to a spike that repeats at the same data: the step's data is
+    drawn and thrown away, the step and the schedule move on, and the steps after it see
+    exactly the data they would have seen."""
+    cfg = _cfg(training={"steps": 6, "grad_accum": 2})
+    with Trainer(cfg, progress=False) as plain:
+        seen_plain = []
+        plain.train(on_step=lambda m: seen_plain.append((m.step, plain._data_state, m.lr)))
+    with Trainer(cfg, progress=False) as skipping:
+        skipping.skip_steps = frozenset({1, 4})
+        seen_skip = []
+        before = _weights(skipping)
+        skipping.train(steps=1)
+        assert skipping.step == 1 and all(torch.equal(before[k], v) for k, v in _weights(skipping).items())
+        skipping.train(on_step=lambda m: seen_skip.append((m.step, skipping._data_state, m.lr)))
+    assert [s for s, _, _ in seen_skip] == [2, 3, 5, 6]
+    # The same data positions and learning rates as the plain run at those steps.
+    assert [(d, lr) for s, d, lr in seen_skip] == [(d, lr) for s, d, lr in seen_plain if s in (2, 3, 5, 6)]
+    assert skipping.step == 6 and skipping.state_dict()["data"] == plain.state_dict()["data"]

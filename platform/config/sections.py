@@ -210,6 +210,9 @@ class HealthSection(Section):
     store_outage_grace_s: NonNegativeFloat = Field(
         10.0, description="After Redis comes back, how long workers get to re-publish heartbeats "
         "before a missing one counts as dead.")
+    store_patience_s: PositiveFloat = Field(
+        60.0, description="How long job-state writes and checkpoint commit reports retry while Redis "
+        "is unreachable (a restart, a failover) before the error is raised.")
     faults: list[FaultSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -4,18 +4,24 @@
                   ^                                    |
                   +------------- RECOVERING <----------+
 
-One attempt is one set of worker actors in one placement group. While it runs, the
-controller polls every `health.heartbeat_interval_s`: Ray tells it which actors ended (and
-how), the heartbeats tell the monitor who is dead, hung, slow or producing NaNs. Faults go to
-the policy, which answers continue, restart (optionally evicting nodes) or give up. A restart
-kills the whole worker group, returns its placement, and starts the next attempt from the
-newest committed checkpoint under a new attempt id (fresh rendezvous namespace, fresh
-heartbeat keys), on nodes that exclude every evicted one.
+`step()` does the work of the current state once and makes the move it leads to; `run()`
+steps until a terminal state. Each state's handler is short and named after the state, so
+the controller can be driven one transition at a time against a fake worker group
+(tests/test_controller_steps.py) and read as the diagram above.
+
+One attempt is one worker group (actors in one placement group, see `workers.py`). While it
+runs, each RUNNING step polls for one heartbeat interval: the group tells which ranks ended
+(and how), the heartbeats tell the monitor who is dead, hung, slow or producing NaNs. Faults
+go to the policy, which answers continue, restart (optionally evicting nodes) or give up. A
+restart stops the whole group and starts the next attempt from the newest committed
+checkpoint under a new attempt id (fresh rendezvous namespace, fresh heartbeat keys), on
+nodes that exclude every evicted one.
 
 Everything the next controller needs lives in Redis under the job's prefix: the record (state,
 attempt, step), the event log, the restart history (the budget's memory) and the evicted
 nodes. A controller that dies and is started again with the same job name continues with the
-next attempt instead of starting over.
+next attempt instead of starting over. Those writes go through a patient client that rides
+out a Redis restart; the heartbeat reads fail fast and tell the monitor the store was away.
 """
 
 from __future__ import annotations
@@ -23,66 +29,62 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 import redis
-from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from longrun.config import JobConfig
 from longrun.controller.job_state import JobRecordStore
-from longrun.controller.placement import (
-    Placement,
-    PlacementImpossible,
-    PlacementTimeout,
-    place,
-    worker_bundle,
-)
+from longrun.controller.placement import PlacementImpossible, PlacementTimeout
 from longrun.controller.state import JobState, JobStateMachine
-from longrun.controller.workers import TrainWorker
-from longrun.health.heartbeat import read_heartbeats
+from longrun.controller.workers import Launcher, RankEnded, RayLauncher, WorkerGroup
+from longrun.health.heartbeat import Heartbeat, read_heartbeats
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
+from longrun.services.redis_client import patient_client, quick_client
 
 log = logging.getLogger(__name__)
+
+# Phases in which a rank has not yet trained a step of the current attempt.
+_STARTING_PHASES = frozenset({"starting", "setup", "rendezvous", "restore"})
 
 
 class JobFailed(RuntimeError):
     """The job ended in FAILED; the message is the reason an operator reads."""
 
 
-@dataclass
-class Attempt:
-    number: int
-    placement: Placement
-    actors: list[Any]
-    runs: dict[Any, int] = field(default_factory=dict)  # pending run() ref -> rank
-    summaries: dict[int, dict] = field(default_factory=dict)
-    resume_before_step: int | None = None
-    monitor: HealthMonitor | None = None  # one per attempt: what it learned survives a CONTINUE
-
-
-def worker_options(cfg: JobConfig) -> dict[str, float]:
-    """The actor's resources: exactly its placement bundle."""
-    bundle = worker_bundle(cfg)
-    return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0)}
-
-
 class Controller:
     def __init__(self, cfg: JobConfig, redis_url: str, *, poll_s: float | None = None,
                  on_event: Callable[[str], None] | None = None, placement_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 diagnostics_timeout_s: float = 300.0, launch: Launcher | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
         self.cfg = cfg
         self.redis_url = redis_url
-        self.client = redis.Redis.from_url(redis_url)
+        self.client = patient_client(redis_url, cfg.health.store_patience_s)  # the record path
+        self.watch_client = quick_client(redis_url)  # heartbeats: a miss is retried next poll
         self.record = JobRecordStore(self.client, cfg.job.name)
         self.machine = JobStateMachine()
         self.poll_s = poll_s or cfg.health.heartbeat_interval_s
         self.placement_timeout_s = placement_timeout_s
+        self.diagnostics_timeout_s = diagnostics_timeout_s
         self.on_event = on_event or (lambda line: log.info("%s", line))
-        self.clock = clock
+        self.launch = launch or RayLauncher()
+        self.clock, self.wall, self.sleep = clock, wall, sleep
         self.attempt_number = 0
+        self.group: WorkerGroup | None = None
+        self.monitor: HealthMonitor | None = None  # one per attempt: what it learned survives a CONTINUE
+        self.summaries: dict[int, dict] = {}
+        self.summary: dict[str, Any] | None = None  # set on SUCCEEDED
+        self.failure: str | None = None  # set on FAILED
+        self._resume_before: int | None = None
+        self._skip_steps: tuple[int, int] | None = None  # a data window the next attempt skips
+        self._backoff_s = 0.0
+        self._held: list[Incident] = []  # exceptions waiting for their cause to show itself
+        self._settle_until: float | None = None
+        self._declared_at: float | None = None  # wall time of the fault the recovery answers
+        self._store_lost_at: float | None = None  # wall time the heartbeat reads started failing
+        self._trained = False  # the current attempt has completed a step on every rank
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _move(self, target: JobState, reason: str) -> None:
@@ -96,6 +98,112 @@ class Controller:
     def _history(self) -> list[RestartRecord]:
         return [RestartRecord.from_dict(r) for r in self.record.restarts()]
 
+    def _decide(self, incidents: list[Incident], failed_nodes: dict[str, str]) -> Decision:
+        return decide(incidents, self._history(), self.cfg.recovery, now=self.wall(),
+                      failed_diagnostics=failed_nodes)
+
+    # -- driving -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Run the job to its end; the summary of rank 0, or JobFailed with the reason."""
+        try:
+            while not self.machine.state.terminal:
+                self.step()
+        except KeyboardInterrupt:
+            self._stop_group()
+            self._move(JobState.STOPPED, "interrupted by the user")
+            raise
+        finally:
+            self._stop_group()  # an unexpected error must not leave actors holding the cluster
+            self.launch.release()
+            self.client.close()
+            self.watch_client.close()
+        if self.machine.state is JobState.FAILED:
+            raise JobFailed(self.failure)
+        assert self.summary is not None
+        return self.summary
+
+    def step(self) -> JobState:
+        """Do the current state's work once; the state it led to."""
+        handler = {
+            JobState.PENDING: self._on_pending,
+            JobState.PLACING: self._on_placing,
+            JobState.DIAGNOSING: self._on_diagnosing,
+            JobState.RENDEZVOUS: self._on_rendezvous,
+            JobState.RUNNING: self._on_running,
+            JobState.RECOVERING: self._on_recovering,
+        }.get(self.machine.state)
+        if handler is not None:
+            handler()
+        return self.machine.state
+
+    # -- one handler per state -----------------------------------------------------------------
+    def _on_pending(self) -> None:
+        self._resume_point()
+        self.record.update(steps=self.cfg.training.steps, world_size=self.cfg.world_size)
+        self._move(JobState.PLACING, self._placing_reason())
+
+    def _on_placing(self) -> None:
+        try:
+            self.group = self.launch(self.cfg, attempt=self.attempt_number, redis_url=self.redis_url,
+                                     evicted=self.record.evicted(), timeout_s=self.placement_timeout_s,
+                                     resume_before_step=self._resume_before, skip_steps=self._skip_steps)
+        except PlacementImpossible as exc:
+            self._fail(str(exc))
+            return
+        except PlacementTimeout as exc:
+            self._handle(self._decide([Incident(kind="exception", rank=None, node=None, step=None,
+                                                at=self.wall(), detail=str(exc))], {}))
+            return
+        self.summaries = {}
+        self.record.update(nodes=list(self.group.node_ids))
+        if self.cfg.recovery.diagnostics:
+            self._move(JobState.DIAGNOSING, f"self-checks: {', '.join(self.cfg.recovery.diagnostics)}")
+        else:
+            self._move(JobState.RENDEZVOUS, self._rendezvous_reason())
+
+    def _on_diagnosing(self) -> None:
+        reports = self.group.diagnose(self.diagnostics_timeout_s)
+        failed = {r["node"]: f"rank {r['rank']}: {r['reason']}" for r in reports if not r["ok"]}
+        for node, reason in failed.items():
+            self._event("diagnostics_failed", f"node {node[:12]} failed its self-check ({reason})",
+                        node=node)
+        if failed:
+            self._handle(self._decide([], failed))
+        else:
+            self._move(JobState.RENDEZVOUS, self._rendezvous_reason())
+
+    def _on_rendezvous(self) -> None:
+        self.group.start()
+        history = self.monitor.loss_history if self.monitor is not None else None
+        self.monitor = HealthMonitor(self.cfg.world_size, self.cfg.health, started_at=self.clock(),
+                                     loss_history=history)
+        self._held, self._settle_until, self._trained = [], None, False
+        self._move(JobState.RUNNING, "training")
+
+    def _on_running(self) -> None:
+        incidents = self._poll()
+        if incidents is None:
+            return
+        if not incidents:
+            self._succeed()
+            return
+        self._declared_at = self.wall()
+        for incident in incidents:
+            self._event("fault", incident.detail, fault=incident.kind, rank=incident.rank,
+                        node=incident.node, step=incident.step)
+        decision = self._decide(incidents, {})
+        if decision.action is Action.CONTINUE:
+            self._event("decision", decision.reason)  # reported; keep watching this attempt
+            return
+        self._handle(decision)
+
+    def _on_recovering(self) -> None:
+        if self._backoff_s:
+            self.sleep(self._backoff_s)  # pacing restarts is the point here, not synchronisation
+        self.attempt_number += 1
+        self._move(JobState.PLACING, self._placing_reason())
+
+    # -- the pieces ---------------------------------------------------------------------------
     def _resume_point(self) -> None:
         """Pick the attempt number. Attempt ids are never reused under one job name (stale keys
         of an old attempt must not meet a new one). A previous controller that did not finish
@@ -111,182 +219,119 @@ class Controller:
         self._event("resume", f"a previous controller ran attempts up to {previous.attempt} "
                     f"(last state {previous.state}); continuing with attempt {self.attempt_number}")
 
-    # -- one attempt -------------------------------------------------------------------------
-    def _start_attempt(self, resume_before_step: int | None) -> Attempt:
-        evicted = self.record.evicted()
-        self._move(JobState.PLACING, f"placing {self.cfg.world_size} worker(s) on "
-                   f"{self.cfg.cluster.nodes} node(s), {len(evicted)} evicted")
-        placement = place(self.cfg, evicted=evicted, timeout_s=self.placement_timeout_s,
-                          name=f"longrun-{self.cfg.job.name}-a{self.attempt_number}")
-        actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(TrainWorker)
-        config = self.cfg.model_dump(mode="json")
-        actors = [
-            actor_cls.options(
-                name=f"longrun-{self.cfg.job.name}-a{self.attempt_number}-r{rank}",
-                scheduling_strategy=placement.strategy(rank), **worker_options(self.cfg),
-            ).remote(config, rank, self.attempt_number, self.redis_url, list(placement.node_ids),
-                     resume_before_step)
-            for rank in range(self.cfg.world_size)
-        ]
-        self.record.update(nodes=list(placement.node_ids))
-        return Attempt(self.attempt_number, placement, actors, resume_before_step=resume_before_step)
+    def _placing_reason(self) -> str:
+        return (f"placing {self.cfg.world_size} worker(s) on {self.cfg.cluster.nodes} node(s), "
+                f"{len(self.record.evicted())} evicted")
 
-    def _diagnose(self, attempt: Attempt) -> dict[str, str]:
-        """Node id -> reason, for every node with a failing worker."""
-        if not self.cfg.recovery.diagnostics:
-            return {}
-        self._move(JobState.DIAGNOSING, f"self-checks: {', '.join(self.cfg.recovery.diagnostics)}")
-        reports = ray.get([a.diagnose.remote() for a in attempt.actors], timeout=300)
-        failed = {r["node"]: f"rank {r['rank']}: {r['reason']}" for r in reports if not r["ok"]}
-        for node, reason in failed.items():
-            self._event("diagnostics_failed", f"node {node[:12]} failed its self-check ({reason})",
-                        node=node)
-        return failed
+    def _rendezvous_reason(self) -> str:
+        return f"forming groups of {self.cfg.world_size} rank(s)"
 
-    def _stop_attempt(self, attempt: Attempt) -> None:
-        for actor in attempt.actors:
-            ray.kill(actor, no_restart=True)
+    def _poll(self) -> list[Incident] | None:
+        """One heartbeat interval of watching. [] when every rank finished, the incidents when
+        something needs a decision, None to keep watching."""
+        ended = self.group.poll(self.poll_s)
+        now, wall = self.clock(), self.wall()  # the monitor's clock; the policy's (persisted)
+        incidents = [self._incident(e, wall) for e in ended if not e.finished]
+        for e in ended:
+            if e.finished:
+                self.summaries[e.rank] = e.summary
+                self.monitor.finished(e.rank)
         try:
-            attempt.placement.remove()
-        except Exception as exc:  # the group may already be gone with its node
-            log.warning("removing placement group: %s", exc)
-
-    def _watch(self, attempt: Attempt) -> list[Incident]:
-        """Poll until every rank finished (returns []) or something went wrong (the incidents)."""
-        if attempt.monitor is None:
-            attempt.monitor = HealthMonitor(self.cfg.world_size, self.cfg.health, started_at=self.clock())
-        monitor = attempt.monitor
-        ranks = range(self.cfg.world_size)
-        incidents: list[Incident] = []
-        settle_until: float | None = None
-        while attempt.runs:
-            done, _ = ray.wait(list(attempt.runs), num_returns=len(attempt.runs), timeout=self.poll_s)
-            now, wall = self.clock(), time.time()  # the monitor's clock; the policy's (persisted)
-            for ref in done:
-                rank = attempt.runs.pop(ref)
-                incident = self._outcome(attempt, ref, rank, wall)
-                if incident is not None:
-                    incidents.append(incident)
-                else:
-                    monitor.finished(rank)
-            try:
-                beats = read_heartbeats(self.client, self.cfg.job.name, attempt.number, ranks)
-            except (redis.RedisError, OSError):
-                monitor.store_unreachable(now)
-                beats = None
-            if beats is not None:
-                faults = monitor.observe(beats, now)
-                incidents += [Incident(kind=str(f.kind), rank=f.rank,
-                                       node=attempt.placement.node_of(f.rank) if f.rank is not None else None,
-                                       step=f.step, at=wall, detail=f.detail) for f in faults]
-                if any(b is not None for b in beats.values()):
-                    self._progress(beats)
-            if incidents:
-                # An exception on a healthy rank is usually the echo of a peer's death (its
-                # collective failed): give the cause up to a heartbeat timeout to show itself,
-                # so the policy blames the dead rank's node, not the messenger.
-                if any(i.kind != "exception" for i in incidents):
-                    return incidents
-                settle_until = settle_until or now + self.cfg.health.heartbeat_timeout_s
-                if now >= settle_until:
-                    return incidents
-        return incidents
-
-    def _progress(self, beats) -> None:
-        live = [b for b in beats.values() if b is not None]
-        first = min(live, key=lambda b: b.rank)
-        self.record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
-
-    def _outcome(self, attempt: Attempt, ref, rank: int, now: float) -> Incident | None:
-        node = attempt.placement.node_of(rank)
-        try:
-            attempt.summaries[rank] = ray.get(ref)
+            beats = read_heartbeats(self.watch_client, self.cfg.job.name, self.attempt_number,
+                                    range(self.cfg.world_size))
+        except (redis.RedisError, OSError) as exc:
+            self.monitor.store_unreachable(now)
+            if self._store_lost_at is None:
+                self._store_lost_at = wall
+                log.warning("Redis unreachable (%s); judging paused until it is back", exc)
+            beats = None
+        if beats is not None:
+            if self._store_lost_at is not None:
+                away, self._store_lost_at = wall - self._store_lost_at, None
+                self._event("store_outage", f"Redis was unreachable for about {away:.1f} s; heartbeat "
+                            f"judging was paused and missing heartbeats get "
+                            f"{self.cfg.health.store_outage_grace_s:g} s to return", seconds=round(away, 3))
+            incidents += [Incident(kind=str(f.kind), rank=f.rank,
+                                   node=self.group.node_of(f.rank) if f.rank is not None else None,
+                                   step=f.step, at=wall, detail=f.detail)
+                          for f in self.monitor.observe(beats, now)]
+            self._progress(beats)
+        incidents = self._held + incidents
+        if incidents:
+            # An exception on a healthy rank is usually the echo of a peer's death (its
+            # collective failed): give the cause up to a heartbeat timeout to show itself,
+            # so the policy blames the dead rank's node, not the messenger.
+            if any(i.kind != "exception" for i in incidents):
+                return incidents
+            self._settle_until = self._settle_until or now + self.cfg.health.heartbeat_timeout_s
+            if now >= self._settle_until or not self.group.running():
+                return incidents  # waited long enough, or every rank has told its story
+            self._held = incidents
             return None
-        except RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            kind = "nan" if type(cause).__name__.startswith("NonFinite") else "exception"
-            step = getattr(cause, "step", None)
-            text = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-            return Incident(kind=kind, rank=rank, node=node, step=step, at=now,
-                            detail=f"rank {rank} raised {type(cause).__name__}: {text}")
-        except RayActorError as exc:
-            return Incident(kind="dead", rank=rank, node=node, step=None, at=now,
-                            detail=f"rank {rank}'s process died ({type(exc).__name__})")
-        except RayError as exc:  # e.g. an exception Ray could not bring back: still a failure
-            text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            return Incident(kind="exception", rank=rank, node=node, step=None, at=now,
-                            detail=f"rank {rank} failed: {text[:300]}")
+        return None if self.group.running() else []
 
-    # -- the whole job -----------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Run the job to its end; the summary of rank 0, or JobFailed with the reason."""
-        self._resume_point()
-        self.record.update(steps=self.cfg.training.steps, world_size=self.cfg.world_size)
-        resume_before: int | None = None
+    def _incident(self, ended: RankEnded, wall: float) -> Incident:
+        return Incident(kind=ended.kind, rank=ended.rank, node=self.group.node_of(ended.rank),
+                        step=ended.step, at=wall, detail=ended.detail)
+
+    def _progress(self, beats: dict[int, Heartbeat | None]) -> None:
+        live = [b for b in beats.values() if b is not None]
+        if not live:
+            return
+        first = min(live, key=lambda b: b.rank)
         try:
-            while True:
-                try:
-                    attempt = self._start_attempt(resume_before)
-                except PlacementImpossible as exc:
-                    self._move(JobState.FAILED, str(exc))
-                    raise JobFailed(str(exc)) from exc
-                except PlacementTimeout as exc:
-                    decision = self._decide([Incident(kind="exception", rank=None, node=None, step=None,
-                                                      at=time.time(), detail=str(exc))], {})
-                    self._recover_or_fail(None, decision)
-                    continue
-                failed_nodes = self._diagnose(attempt)
-                if failed_nodes:
-                    decision = self._decide([], failed_nodes)
-                else:
-                    self._move(JobState.RENDEZVOUS, f"forming groups of {self.cfg.world_size} rank(s)")
-                    attempt.runs = {a.run.remote(): r for r, a in enumerate(attempt.actors)}
-                    self._move(JobState.RUNNING, "training")
-                    decision = None
-                    while incidents := self._watch(attempt):
-                        for incident in incidents:
-                            self._event("fault", incident.detail, fault=incident.kind,
-                                        rank=incident.rank, node=incident.node, step=incident.step)
-                        decision = self._decide(incidents, {})
-                        if decision.action is not Action.CONTINUE:
-                            break
-                        self._event("decision", decision.reason)  # reported; keep watching
-                    else:
-                        return self._succeed(attempt)
-                self._stop_attempt(attempt)
-                resume_before = self._recover_or_fail(attempt, decision)
-        except KeyboardInterrupt:
-            self._move(JobState.STOPPED, "interrupted by the user")
-            raise
-        finally:
-            self.client.close()
+            self.record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
+        except (redis.RedisError, OSError) as exc:  # progress is refreshed next poll; not worth a stall
+            log.warning("job record progress not written: %s", exc)
+        if self._trained or not self._first_step_done(live):
+            return
+        self._trained = True
+        self.launch.warm_spares()  # now, so the spares' imports do not slow this attempt's start
+        if self._declared_at is not None:
+            took = self.wall() - self._declared_at
+            self._declared_at = None
+            self._event("recovered", f"attempt {self.attempt_number} completed its first step "
+                        f"{took:.1f} s after the fault was declared", seconds=round(took, 3))
 
-    def _decide(self, incidents: list[Incident], failed_nodes: dict[str, str]) -> Decision:
-        return decide(incidents, self._history(), self.cfg.recovery, now=time.time(),
-                      failed_diagnostics=failed_nodes)
+    def _first_step_done(self, live: list[Heartbeat]) -> bool:
+        """Every rank of the new attempt has trained a step past where it resumed."""
+        return len(live) == self.cfg.world_size and all(
+            b.phase not in _STARTING_PHASES and b.step > b.resumed_from for b in live)
 
-    def _recover_or_fail(self, attempt: Attempt | None, decision: Decision) -> int | None:
+    def _handle(self, decision: Decision) -> None:
+        """Carry out a decision that ends the attempt: restart (maybe evicting) or give up."""
         self._event("decision", decision.reason, action=str(decision.action))
+        self._stop_group()
         if decision.action is Action.GIVE_UP:
-            self._move(JobState.FAILED, decision.reason)
-            raise JobFailed(decision.reason)
+            self._fail(decision.reason)
+            return
         for node in decision.evict_nodes:
             self.record.evict(node, decision.reason)
             self._event("evicted", f"node {node[:12]} will not be used again", node=node)
-        self.record.add_restart(RestartRecord.of(decision, at=time.time()).to_dict())
+        self.record.add_restart(RestartRecord.of(decision, at=self.wall()).to_dict())
+        self._resume_before, self._backoff_s = decision.resume_before_step, decision.backoff_s
+        self._skip_steps = decision.skip_steps
+        if self._declared_at is None:  # diagnostics or placement: the fault is declared now
+            self._declared_at = self.wall()
         self._move(JobState.RECOVERING, decision.reason)
-        if decision.backoff_s:
-            time.sleep(decision.backoff_s)  # pacing restarts is the point here, not synchronisation
-        self.attempt_number += 1
-        return decision.resume_before_step
 
-    def _succeed(self, attempt: Attempt) -> dict[str, Any]:
-        summary = attempt.summaries[0]
+    def _fail(self, reason: str) -> None:
+        self._stop_group()
+        self.failure = reason
+        self._move(JobState.FAILED, reason)
+
+    def _stop_group(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            group.stop()
+
+    def _succeed(self) -> None:
+        summary = self.summaries[0]
         self.record.update(step=summary["step"], loss=summary["loss"])
-        self._move(JobState.SUCCEEDED, f"finished {summary['step']} steps in attempt {attempt.number}")
-        self._stop_attempt(attempt)
-        return summary | {"attempt": attempt.number, "restarts": len(self.record.restarts()),
-                          "evicted": sorted(self.record.evicted())}
+        self._stop_group()
+        self._move(JobState.SUCCEEDED, f"finished {summary['step']} steps in attempt {self.attempt_number}")
+        self.summary = summary | {"attempt": self.attempt_number, "restarts": len(self.record.restarts()),
+                                  "evicted": sorted(self.record.evicted())}
 
 
 def job_status(client: redis.Redis, job: str, events: int = 10) -> dict[str, Any]:
@@ -299,4 +344,3 @@ def job_status(client: redis.Redis, job: str, events: int = 10) -> dict[str, Any
             "fields": {k: v for k, v in record.fields.items() if k not in ("state", "attempt", "step")},
             "evicted": store.evicted(), "restarts": len(store.restarts()),
             "events": store.events(events)}
-

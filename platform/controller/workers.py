@@ -1,152 +1,210 @@
-"""The training worker that runs inside a Ray actor, one per accelerator.
+"""One attempt's worker group: the actors in their placement group, started, polled, stopped.
 
-It is the seam between the two worlds: Ray places and supervises it; inside, it runs the
-trainer, which never sees Ray. It wires the trainer's per-step hook to the heartbeat (for
-the controller), to Prometheus (for operators), to the checkpointer (resume on start, save
-every checkpoint.interval_steps) and to the fault injector (tests and chaos runs).
+The controller only decides; this is where it touches Ray. Everything it needs from a group
+is the small `WorkerGroup` surface below, so the controller's state machine can be stepped in
+tests against a fake group (tests/test_controller_steps.py) with no Ray at all.
 
-With more than one worker it first joins the attempt's communication groups through the
-Redis rendezvous (`commgroup`), in the node order the controller placed the ranks in.
+How a rank ended is translated here, once, into what the health policy understands:
+finished (its summary), `nan` (NonFiniteError), `exception` (any other error it raised) or
+`dead` (its process is gone: SIGKILL, OOM, a removed node).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import redis
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from longrun import keys
 from longrun.config import JobConfig
-from longrun.health.heartbeat import HeartbeatPublisher
-from longrun.observability.metrics import WorkerMetrics
+from longrun.controller.placement import Placement, place, worker_bundle
+from longrun.controller.train_worker import TrainWorker
+
+log = logging.getLogger(__name__)
 
 
-class TrainWorker:
-    """Plain class; the controller wraps it with `ray.remote(...)` and its resources.
-    `node_ids[i]` is the Ray node of node index i (rank r is on node r // workers_per_node)."""
+@dataclass(frozen=True)
+class RankEnded:
+    """A rank whose run() returned: `summary` when it finished, else the failure's kind."""
 
-    def __init__(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
-                 node_ids: list[str] | None = None, resume_before_step: int | None = None):
-        self.cfg = JobConfig.model_validate(config)
-        self.rank = rank
-        self.attempt = attempt
-        self.redis_url = redis_url
-        self.node_ids = node_ids or ["local"]
-        self.resume_before_step = resume_before_step
-        self.metrics_port: int | None = None
+    rank: int
+    summary: dict[str, Any] | None = None
+    kind: str | None = None  # "nan", "exception" or "dead" when it failed
+    step: int | None = None
+    detail: str = ""
 
-    def node_id(self) -> str:
-        import ray
+    @property
+    def finished(self) -> bool:
+        return self.kind is None
 
-        return ray.get_runtime_context().get_node_id()
 
-    def diagnose(self) -> dict[str, Any]:
-        """The self-checks of `recovery.diagnostics` on this worker; the collective check
-        runs among the workers of this node (a group made for it over the Redis store)."""
-        import torch
+class WorkerGroup(Protocol):
+    node_ids: tuple[str, ...]
 
-        from longrun.commgroup.store import RedisStore
-        from longrun.health.diagnostics import run_diagnostics
-        from longrun.trainer.loop import resolve_device
+    def node_of(self, rank: int) -> str: ...
+    def diagnose(self, timeout_s: float) -> list[dict[str, Any]]: ...
+    def start(self) -> None: ...
+    def poll(self, timeout_s: float) -> list[RankEnded]: ...
+    def running(self) -> int: ...
+    def stop(self) -> None: ...
 
-        cfg = self.cfg
-        per_node = cfg.cluster.workers_per_node
-        node_index, local_rank = divmod(self.rank, per_node)
-        store = None
-        if per_node > 1 and "collective" in cfg.recovery.diagnostics:
-            prefix = f"{keys.attempt_prefix(cfg.job.name, self.attempt)}diag:{node_index}:"
-            store = (RedisStore(self.redis_url, namespace=prefix), local_rank, per_node)
-        device = resolve_device(cfg.cluster.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        report = run_diagnostics(cfg.recovery.diagnostics, node=self.node_ids[node_index],
-                                 rank=self.rank, device=device, redis_url=self.redis_url,
-                                 node_group=store)
-        return {"node": report.node, "rank": report.rank, "ok": report.ok, "reason": report.reason,
-                "checks": [(c.name, c.ok, c.seconds, c.detail) for c in report.checks]}
 
-    def run(self) -> dict[str, Any]:
-        # torch is imported only in the worker process
-        from longrun.checkpoint import Checkpointer, RedisCommitLedger
-        from longrun.health.faults import FaultInjector
-        from longrun.trainer import NonFiniteError, Trainer
+class Launcher(Protocol):
+    """Places and starts one attempt's group; raises PlacementImpossible / PlacementTimeout.
+    Between attempts it may keep what helps the next one start fast (see RayLauncher)."""
 
-        cfg = self.cfg
-        client = redis.Redis.from_url(self.redis_url)
-        beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank,
-                                  cfg.health.heartbeat_interval_s, cfg.health.heartbeat_timeout_s).start()
-        metrics = WorkerMetrics(cfg.job.name, self.rank)
-        obs = cfg.observability
-        self.metrics_port = metrics.serve(obs.metrics_host, obs.metrics_port)
-        beat.update(phase="setup")
-        last = None
-        groups = None
+    def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
+                 resume_before_step: int | None, timeout_s: float,
+                 skip_steps: tuple[int, int] | None = None) -> WorkerGroup: ...
+    def warm_spares(self) -> None: ...
+    def release(self) -> None: ...
 
-        def on_step(m) -> None:
-            nonlocal last
-            last = m
-            metrics.observe_step(m)
-            beat.update(step=m.step, loss=m.loss if math.isfinite(m.loss) else None,
-                        loss_finite=math.isfinite(m.loss), step_time_s=m.step_time_s,
-                        tokens_per_s=m.tokens_per_s, memory_bytes=m.memory_bytes)
-            injector.after_step(m.step)
 
-        resumed_from = 0
+def actor_options(cfg: JobConfig) -> dict[str, float]:
+    """A worker's (and a spare's) resources: half of its bundle each. The spare waiting in a
+    bundle must be able to take the worker's place without a new reservation, and on a GPU it
+    must already see the bundle's device (Ray hides GPUs from an actor that asked for none);
+    a fractional share of the same bundle gives both."""
+    bundle = worker_bundle(cfg)
+    return {"num_cpus": bundle.get("CPU", 0.0) / 2, "num_gpus": bundle.get("GPU", 0.0) / 2}
+
+
+class RayWorkerGroup:
+    """One attempt's actors, rank r in bundle r of `placement`. Stopping kills the actors;
+    the placement belongs to the launcher, which keeps it for the next attempt if it can."""
+
+    def __init__(self, placement: Placement, actors: list[Any]):
+        self.placement = placement
+        self.node_ids = placement.node_ids
+        self.actors = actors
+        self._runs: dict[Any, int] = {}  # pending run() ref -> rank
+
+    def node_of(self, rank: int) -> str:
+        return self.placement.node_of(rank)
+
+    def diagnose(self, timeout_s: float) -> list[dict[str, Any]]:
+        return ray.get([a.diagnose.remote() for a in self.actors], timeout=timeout_s)
+
+    def start(self) -> None:
+        self._runs = {a.run.remote(): rank for rank, a in enumerate(self.actors)}
+
+    def running(self) -> int:
+        return len(self._runs)
+
+    def poll(self, timeout_s: float) -> list[RankEnded]:
+        """Wait up to `timeout_s` for ranks to end; those that did (possibly none)."""
+        if not self._runs:
+            return []
+        done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=timeout_s)
+        return [_outcome(ref, self._runs.pop(ref)) for ref in done]
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self._runs.clear()
+
+
+class RayLauncher:
+    """Places attempts on the Ray cluster, and keeps a warm spare per rank between them.
+
+    Recovery time is mostly process start and imports (torch, the training stack): about
+    10 s for four workers on two cores, against about 1 s for rendezvous, restore and a
+    step. So while an attempt trains, one spare actor per bundle waits with everything
+    imported. A restart on the same nodes keeps the placement group and hands each rank to
+    its bundle's spare; a restart that must change nodes (one evicted, or gone) releases the
+    group, spares included, and places from scratch.
+    """
+
+    def __init__(self, spares: bool = True):
+        self.spares_enabled = spares
+        self.placement: Placement | None = None
+        self._spares: list[Any] = []
+        self._warming: list[Any] = []  # warm() refs of the spares
+        self._cfg: JobConfig | None = None
+        self._generation = 0  # of spares: actor names must stay unique after a promotion
+
+    def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
+                 resume_before_step: int | None, timeout_s: float,
+                 skip_steps: tuple[int, int] | None = None) -> RayWorkerGroup:
+        if self.placement is not None and not self._reusable(set(evicted)):
+            self.release()
+        if self.placement is None:
+            self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
+                                   name=f"longrun-{cfg.job.name}-a{attempt}")
+        self._cfg = cfg
+        actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
+                                         for rank in range(cfg.world_size)]
+        config = cfg.model_dump(mode="json")
+        ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
+                                 resume_before_step, skip_steps) for rank, a in enumerate(actors)],
+                timeout=timeout_s)
+        return RayWorkerGroup(self.placement, actors)
+
+    def warm_spares(self) -> None:
+        """Start and warm the next attempt's spares (called once the attempt trains, so their
+        imports do not compete with its start-up)."""
+        if not self.spares_enabled or self.placement is None or self._spares or self._cfg is None:
+            return
+        self._generation += 1
+        self._spares = [self._new_actor(self._cfg, rank, f"spare{self._generation}-r{rank}")
+                        for rank in range(self._cfg.world_size)]
+        self._warming = [s.warm.remote() for s in self._spares]
+
+    def release(self) -> None:
+        for spare in self._spares:
+            ray.kill(spare, no_restart=True)
+        self._spares, self._warming = [], []
+        if self.placement is not None:
+            try:
+                self.placement.remove()
+            except Exception as exc:  # the group may already be gone with its node
+                log.warning("removing placement group: %s", exc)
+            self.placement = None
+
+    def _new_actor(self, cfg: JobConfig, rank: int, tag: str) -> Any:
+        # max_concurrency 2: a query (node id, diagnostics) is served while run() trains.
+        actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(TrainWorker)
+        return actor_cls.options(name=f"longrun-{cfg.job.name}-{tag}-{id(self):x}",
+                                 scheduling_strategy=self.placement.strategy(rank),
+                                 **actor_options(cfg)).remote()
+
+    def _reusable(self, evicted: set[str]) -> bool:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return all(n in alive and n not in evicted for n in self.placement.node_ids)
+
+    def _take_spares(self) -> list[Any]:
+        """The spares, if every one of them is alive and warm; else none (start fresh)."""
+        spares, warming = self._spares, self._warming
+        self._spares, self._warming = [], []
+        if not spares:
+            return []
         try:
-            world_group = dp_group = None
-            dp_rank, dp_size = 0, 1
-            if cfg.world_size > 1:
-                beat.update(phase="rendezvous")
-                groups = self._join_groups()
-                world_group, dp_group = groups.world, groups.dp
-                import torch.distributed as dist
+            ray.get(warming, timeout=60)
+            return spares
+        except RayError as exc:
+            log.warning("warm spares unusable, starting fresh workers: %s", exc)
+            for spare in spares:
+                ray.kill(spare, no_restart=True)
+            return []
 
-                dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-            with Trainer(cfg, dp_group=dp_group) as trainer:
-                trainer.on_phase = lambda phase: beat.update(phase=phase)
-                injector = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model)
-                ckpt = Checkpointer(cfg, rank=self.rank, world_size=cfg.world_size, dp_rank=dp_rank,
-                                    dp_size=dp_size,
-                                    ledger=RedisCommitLedger(client, cfg.job.name, self.attempt))
-                beat.update(phase="restore")
-                restored = ckpt.restore(trainer, world_group, dp_group,
-                                        before_step=self.resume_before_step)
-                if restored is not None:
-                    resumed_from = restored.step
-                    beat.update(step=restored.step)
-                    if self.rank == 0:
-                        print(f"resumed from the checkpoint of step {restored.step}", flush=True)
-                trainer.before_update.append(ckpt.before_update)
-                try:
-                    trainer.train(on_step=[on_step, ckpt.on_step(trainer)])
-                finally:
-                    ckpt.close()  # the last save commits, or its failure is raised
-        except NonFiniteError as exc:
-            beat.update(step=exc.step - 1, loss=None, loss_finite=False)  # the step did not happen
-            beat.stop(final_phase="failed")
-            raise
-        except BaseException:
-            beat.stop(final_phase="failed")
-            raise
-        finally:
-            if groups is not None:
-                groups.teardown()
-            metrics.close()
-            client.close()
-        beat.stop(final_phase="done")
-        return {"rank": self.rank, "step": trainer.step, "resumed_from": resumed_from,
-                "loss": last.loss if last else None,
-                "tokens_per_s": last.tokens_per_s if last else None,
-                "metrics_port": self.metrics_port}
 
-    def _join_groups(self):
-        from longrun.commgroup import NodeSpec, ParallelDims, init_parallel_groups, make_layout
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
 
-        cfg, par = self.cfg, self.cfg.parallelism
-        if par.tp * par.cp * par.pp > 1:
-            raise NotImplementedError("the controller runs data-parallel jobs; tp, cp and pp come next")
-        layout = make_layout([NodeSpec(n) for n in self.node_ids], cfg.cluster.workers_per_node,
-                             ParallelDims(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp))
-        return init_parallel_groups(self.redis_url, job=cfg.job.name, attempt=self.attempt,
-                                    rank=self.rank, layout=layout)
+
+def _outcome(ref, rank: int) -> RankEnded:
+    try:
+        return RankEnded(rank, summary=ray.get(ref))
+    except RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        kind = "nan" if type(cause).__name__.startswith("NonFinite") else "exception"
+        return RankEnded(rank, kind=kind, step=getattr(cause, "step", None),
+                         detail=f"rank {rank} raised {type(cause).__name__}: {_last_line(cause)}")
+    except RayActorError as exc:
+        return RankEnded(rank, kind="dead", detail=f"rank {rank}'s process died ({type(exc).__name__})")
+    except RayError as exc:  # e.g. an exception Ray could not bring back: still a failure
+        return RankEnded(rank, kind="exception", detail=f"rank {rank} failed: {_last_line(exc)[:300]}")

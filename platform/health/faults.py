@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from longrun.config.sections import FaultSpec
@@ -39,10 +39,14 @@ class FaultInjector:
     """The faults of one rank in one attempt; `after_step` is the trainer's per-step hook."""
 
     def __init__(self, specs: Sequence[FaultSpec], rank: int, attempt: int,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None,
+                 on_fire: Callable[[FaultSpec, int], None] | None = None):
         self.pending = sorted((s for s in specs if s.rank == rank and s.attempt == attempt),
                               key=lambda s: s.step)
         self.rank, self.attempt, self.model = rank, attempt, model
+        # Told (spec, step) just before a fault fires: the worker records it in the job's event
+        # log, so detection latency can be measured from the moment of the fault itself.
+        self.on_fire = on_fire
         self.slow_s = 0.0
 
     def __bool__(self) -> bool:
@@ -61,6 +65,8 @@ class FaultInjector:
                     step, self.attempt)
         for handler in logging.getLogger().handlers:
             handler.flush()
+        if self.on_fire is not None:
+            self.on_fire(spec, step)
         if spec.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "hang":

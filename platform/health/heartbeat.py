@@ -31,6 +31,7 @@ class Heartbeat:
     tokens_per_s: float | None = None
     memory_bytes: int | None = None
     attempt: int = 0
+    resumed_from: int = 0  # the checkpoint step this attempt restored (0: none)
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
     sent_at: float = 0.0  # wall clock of the publisher

@@ -76,7 +76,7 @@ class _RankTrack:
 
 class HealthMonitor:
     def __init__(self, world_size: int, health: HealthSection, *, started_at: float,
-                 startup_grace_s: float = 120.0):
+                 startup_grace_s: float = 120.0, loss_history: Mapping[int, float] | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if startup_grace_s < 0:
@@ -90,10 +90,18 @@ class HealthMonitor:
         self._outage_since: float | None = None
         self._last_poll_at: float | None = None
         self._missing_tolerated_until = -math.inf
-        self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
+        # step -> global loss of the steps judged normal. A restart resumes from a checkpoint,
+        # so the controller hands the previous attempt's history on (`loss_history`): a spike
+        # right after a resume is judged against the steps before it, not against nothing.
+        self._losses: dict[int, float] = dict(loss_history or {})
         self._last_loss_step: int | None = None
         self._nan_steps_reported: set[int] = set()
         self._spike_steps_reported: set[int] = set()
+
+    @property
+    def loss_history(self) -> dict[int, float]:
+        """The normal steps' losses, for the next attempt's monitor."""
+        return dict(self._losses)
 
     # ---- what the controller calls -------------------------------------------------------
 
@@ -304,8 +312,9 @@ class HealthMonitor:
         if beat is None or beat.step == self._last_loss_step:
             return []  # each distinct step is judged (and enters the window) once
         self._last_loss_step = beat.step
-        if len(self._losses) >= MIN_LOSSES_TO_JUDGE:
-            median = statistics.median(self._losses)
+        window = [self._losses[k] for k in sorted(k for k in self._losses if k < beat.step)[-LOSS_WINDOW:]]
+        if len(window) >= MIN_LOSSES_TO_JUDGE:
+            median = statistics.median(window)
             factor = self.health.loss_spike_factor
             if median > 0 and beat.loss > factor * median:
                 # A spike stays out of the window, or a run of spikes would raise the bar for the next.
@@ -314,6 +323,9 @@ class HealthMonitor:
                 self._spike_steps_reported.add(beat.step)
                 return [Fault(FaultKind.LOSS_SPIKE, None, beat.step, now,
                               f"loss {beat.loss:.4g} at step {beat.step} is {beat.loss / median:.1f}x the "
-                              f"median {median:.4g} of the last {len(self._losses)} steps (limit {factor}x)")]
-        self._losses.append(beat.loss)
+                              f"median {median:.4g} of the last {len(window)} steps (limit {factor}x)")]
+        self._losses[beat.step] = beat.loss
+        if len(self._losses) > 2 * LOSS_WINDOW:  # keep it bounded: only recent steps matter
+            for step in sorted(self._losses)[:-LOSS_WINDOW]:
+                del self._losses[step]
         return []

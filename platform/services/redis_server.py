@@ -122,8 +122,11 @@ class EmbeddedRedis:
     def _config_text(self, workdir: Path) -> str:
         data_dir = self.persist_dir or workdir
         data_dir.mkdir(parents=True, exist_ok=True)
+        # With persistence, every write is on disk before it is acknowledged: the job record,
+        # the restart history and checkpoint commit reports must survive a crash of Redis
+        # itself, and their write rate (a heartbeat per worker per interval) is low.
         persistence = (
-            'appendonly yes\nappendfsync everysec\nsave ""\n'
+            'appendonly yes\nappendfsync always\nsave ""\n'
             if self.persist_dir
             else 'appendonly no\nsave ""\n'
         )

@@ -24,6 +24,7 @@ import random
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -248,6 +249,8 @@ class Trainer:
         self.sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed,
                                        dp_rank=shard_rank, dp_size=shard_size)
         self.step = 0
+        # Steps (1-based) whose data is consumed without training (see skip_step).
+        self.skip_steps: frozenset[int] = frozenset()
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
         # must finish first).
         self.before_update: list[Callable[[], None]] = []
@@ -437,10 +440,32 @@ class Trainer:
             hooks.insert(0, self.printer)
         metrics = None
         while self.step < until:
+            if self.step + 1 in self.skip_steps:
+                self.skip_step()
+                continue
             metrics = self.train_step()
             for hook in hooks:
                 hook(metrics)
         return metrics
+
+    def skip_step(self) -> None:
+        """Consume the next step's data without training on it (the health policy's answer
+        to a loss spike that came back at the same data). The step still counts and the
+        learning-rate schedule moves on, so the rest of the run sees the same step numbers
+        and the same data it would have seen."""
+        self.on_phase("data")
+        data = self._data()
+        if self.cp is None:
+            for _ in range(self.cfg.training.grad_accum):
+                state = next(data).sampler_state
+        else:
+            state = next(data).sampler_state
+        with warnings.catch_warnings():  # skipping step 1 moves the schedule before any update
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
+        self.step += 1
+        self._data_state = state
+        log.warning("skipped step %d: its data was consumed without training", self.step)
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,252 @@
+"""Recovery from a lost worker: longrun's controller vs Ray Train's TorchTrainer, side by side.
+
+    RAY_USAGE_STATS_ENABLED=0 .venv/bin/python bench/recovery.py --quick   # one fault of each kind
+    RAY_USAGE_STATS_ENABLED=0 .venv/bin/python bench/recovery.py           # 3 repeats, Ray Train hang too
+
+Needs Ray Train (`pip install -e '.[bench]'`). Both run on the same local multi-node cluster
+(`ray.cluster_utils.Cluster`: a head with no CPUs and 3 nodes of 2 CPUs), the same tiny model
+and data (longrun's `Trainer`, 4 data-parallel CPU workers on gloo) and a checkpoint every step.
+In each run rank 1 is hit after step 4 of the first attempt, from inside its own process:
+  kill  SIGKILL (a crashed process);
+  hang  SIGSTOP (a wedged process: alive, silent).
+Measured, from the wall time the fault fired (recorded by the faulting process just before):
+  detect    until the fault is declared. longrun: the controller's `fault` event. Ray Train
+            has no such event; its figure is until its new worker group entered the training
+            function again, which bounds its detection from above.
+  recover   longrun: from the declaration until every rank of the new attempt completed a step
+            (the controller's `recovered` event).
+  to_step   fault -> first completed step of the new attempt: the end-to-end cost, comparable
+            across the two; `vs_ray_train` is Ray Train's median over longrun's (kill).
+  lost      the step at the fault minus the step training resumed from.
+longrun also runs the kill without warm spares (`RayLauncher(spares=False)`): every restart
+then starts fresh processes, which is what the spares save.
+Ray Train runs with `FailureConfig(max_failures=1)` and a `train.report` with a checkpoint
+each step (rank files in one checkpoint directory). Its hang is only run in the full mode,
+with RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S=60 (its default, 600 s, would wait 10 minutes).
+longrun runs with its defaults except a 0.5 s heartbeat (3 s timeout) and hang_min_s 5, as a
+tiny job's sub-second steps allow; the hang is then declared at its learned timeout.
+Progress goes to stderr; the last line on stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 workers share the cores; raylets pass it on
+
+FAULT_STEP = 20
+STEPS = 26
+WORKERS = 4
+STEP_PAD_S = 0.5  # rank 0 sleeps this after each step: the job is long enough for spares to warm
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def job_dict(name: str, out: str, fault: str | None) -> dict:
+    faults = [{"rank": 0, "step": 1, "kind": "slow", "seconds": STEP_PAD_S}]
+    faults += [{"rank": 1, "step": FAULT_STEP, "kind": fault}] if fault else []
+    return {
+        "job": {"name": name, "seed": 7, "output_dir": out},
+        "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
+        "parallelism": {"dp": WORKERS},
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
+        "data": {"source": "synthetic", "micro_batch_tokens": 128, "prefetch": 1,
+                 "synthetic": {"min_len": 8, "max_len": 64, "mean": 24, "sigma": 0.8}},
+        "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "log_every": 100},
+        "checkpoint": {"interval_steps": 1, "keep_last": 3},
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_min_s": 5.0,
+                   "faults": faults},
+        "recovery": {"restart_backoff_s": 0.0},
+    }
+
+
+# -- longrun ---------------------------------------------------------------------------------
+
+def run_longrun(fault: str, redis_url: str, out: str, index: int, spares: bool = True) -> dict:
+    from longrun.config import config_from_dict
+    from longrun.controller.controller import Controller, job_status
+    from longrun.controller.workers import RayLauncher
+    from longrun.services.redis_client import quick_client
+
+    cfg = config_from_dict(job_dict(f"bench-{fault}-{index}-{'warm' if spares else 'cold'}", out, fault))
+    started = time.time()
+    def show(line: str) -> None:
+        say(f"  longrun {time.time() - started:6.2f} s | {line}")
+
+    summary = Controller(cfg, redis_url, launch=RayLauncher(spares=spares), on_event=show).run()
+    client = quick_client(redis_url)
+    events = job_status(client, cfg.job.name, events=1000)["events"]
+    client.close()
+    fired = next(e for e in events if e["type"] == "fault_injected" and e["fault"] == fault)
+    declared = next(e for e in events if e["type"] == "fault")
+    recovered = next(e for e in events if e["type"] == "recovered")
+    detect = declared["at"] - fired["at"]
+    return {"detect_s": detect, "recover_s": recovered["seconds"],
+            "to_step_s": detect + recovered["seconds"],
+            "steps_lost": fired["step"] - summary["resumed_from"], "restarts": summary["restarts"],
+            "declared": declared["reason"]}
+
+
+# -- Ray Train --------------------------------------------------------------------------------
+
+def _ray_train_loop(config: dict) -> None:
+    """Ray Train's worker function: the same Trainer, per-step checkpoints, the same fault."""
+    import torch
+    import torch.distributed as dist
+    from ray import train
+    from ray.train import Checkpoint
+
+    from longrun.config import config_from_dict
+    from longrun.trainer import Trainer
+
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    marks = Path(config["marks"])
+    cfg = config_from_dict(job_dict("ray-train", config["out"], None))
+    with Trainer(cfg, dp_group=dist.group.WORLD, progress=False) as trainer:
+        resumed = 0
+        checkpoint = train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                trainer.load_state_dict(torch.load(Path(d) / f"rank-{rank}.pt", weights_only=False))
+            resumed = trainer.step
+            (marks / f"restarted-{rank}").write_text(json.dumps({"at": time.time(), "step": resumed}))
+        while trainer.step < cfg.training.steps:
+            trainer.train(steps=1)
+            if resumed and trainer.step == resumed + 1 and rank == 0:
+                (marks / "first_step").write_text(json.dumps({"at": time.time()}))
+            with tempfile.TemporaryDirectory() as d:
+                torch.save(trainer.state_dict(), Path(d) / f"rank-{rank}.pt")
+                train.report({"step": trainer.step}, checkpoint=Checkpoint.from_directory(d))
+            if rank == 0:
+                time.sleep(STEP_PAD_S)  # as longrun's slow fault: the same step times
+            if rank == 1 and trainer.step == FAULT_STEP and not (marks / "fired").exists():
+                (marks / "fired").write_text(json.dumps({"at": time.time(), "step": trainer.step}))
+                os.kill(os.getpid(), signal.SIGKILL if config["fault"] == "kill" else signal.SIGSTOP)
+
+
+def run_ray_train(fault: str, out: str, index: int) -> dict:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    marks = Path(out) / "marks"
+    marks.mkdir(parents=True)
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"marks": str(marks), "out": out, "fault": fault},
+        scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False, resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(name=f"ray-train-{fault}-{index}", storage_path=str(Path(out) / "storage"),
+                             failure_config=FailureConfig(max_failures=1)),
+    )
+    started = time.time()
+    result = trainer.fit()
+    say(f"  ray train | finished in {time.time() - started:.1f} s, last metrics {result.metrics}")
+    fired = json.loads((marks / "fired").read_text())
+    restarted = json.loads((marks / "restarted-0").read_text())
+    first = json.loads((marks / "first_step").read_text())
+    return {"detect_s": restarted["at"] - fired["at"], "to_step_s": first["at"] - fired["at"],
+            "steps_lost": fired["step"] - restarted["step"]}
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one run of each fault; no Ray Train hang")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    reps = 1 if args.quick else args.reps
+    if not args.quick:
+        os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = "60"
+    try:
+        import ray.train
+    except ImportError as exc:
+        raise SystemExit("bench/recovery.py compares with Ray Train: pip install -e '.[bench]' "
+                         f"({exc})") from exc
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from longrun.services import EmbeddedRedis
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(3):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    results: dict[str, dict[str, list[dict]]] = {"longrun": {}, "longrun_cold": {}, "ray_train": {}}
+    try:
+        with EmbeddedRedis() as redis_server, tempfile.TemporaryDirectory(prefix="longrun-bench-") as tmp:
+            for rep in range(reps):
+                for fault in ("kill", "hang"):
+                    say(f"rep {rep + 1}/{reps}: longrun, {fault}")
+                    r = run_longrun(fault, redis_server.url, f"{tmp}/lr-{fault}-{rep}", rep)
+                    say(f"  -> {r}")
+                    results["longrun"].setdefault(fault, []).append(r)
+                    if fault == "kill":  # what the warm spares buy: the same fault without them
+                        say(f"rep {rep + 1}/{reps}: longrun without spares, {fault}")
+                        r = run_longrun(fault, redis_server.url, f"{tmp}/cold-{fault}-{rep}", rep,
+                                        spares=False)
+                        say(f"  -> {r}")
+                        results["longrun_cold"].setdefault(fault, []).append(r)
+                    if fault == "hang" and args.quick:
+                        continue
+                    say(f"rep {rep + 1}/{reps}: Ray Train, {fault}")
+                    r = run_ray_train(fault, f"{tmp}/rt-{fault}-{rep}", rep)
+                    say(f"  -> {r}")
+                    results["ray_train"].setdefault(fault, []).append(r)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+    lr, cold, rt = results["longrun"], results["longrun_cold"], results["ray_train"]
+    say("\n| fault | system | detect s | recover s | fault -> first step s | steps lost |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    for fault in ("kill", "hang"):
+        say(f"| {fault} | longrun | {median(lr[fault], 'detect_s'):.2f} | "
+            f"{median(lr[fault], 'recover_s'):.2f} "
+            f"| {median(lr[fault], 'to_step_s'):.2f} | {median(lr[fault], 'steps_lost'):g} |")
+        if fault in cold:
+            say(f"| {fault} | longrun, no spares | {median(cold[fault], 'detect_s'):.2f} | "
+                f"{median(cold[fault], 'recover_s'):.2f} | {median(cold[fault], 'to_step_s'):.2f} | "
+                f"{median(cold[fault], 'steps_lost'):g} |")
+        if fault in rt:
+            say(f"| {fault} | Ray Train | <= {median(rt[fault], 'detect_s'):.2f} | | "
+                f"{median(rt[fault], 'to_step_s'):.2f} | {median(rt[fault], 'steps_lost'):g} |")
+    summary = {
+        "detect_kill_s": round(median(lr["kill"], "detect_s"), 3),
+        "detect_hang_s": round(median(lr["hang"], "detect_s"), 3),
+        "recover_s": round(median(lr["kill"], "recover_s"), 3),
+        "recover_hang_s": round(median(lr["hang"], "recover_s"), 3),
+        "to_step_kill_s": round(median(lr["kill"], "to_step_s"), 3),
+        "recover_no_spares_s": round(median(cold["kill"], "recover_s"), 3),
+        "steps_lost": max(r["steps_lost"] for runs in lr.values() for r in runs),
+        "ray_train_recover_s": round(median(rt["kill"], "to_step_s"), 3),
+        "ray_train_detect_kill_s_upper": round(median(rt["kill"], "detect_s"), 3),
+        "vs_ray_train": round(median(rt["kill"], "to_step_s") / median(lr["kill"], "to_step_s"), 2),
+        "reps": reps,
+    }
+    if "hang" in rt:
+        summary["ray_train_hang_to_step_s"] = round(median(rt["hang"], "to_step_s"), 3)
+        summary["vs_ray_train_hang"] = round(
+            median(rt["hang"], "to_step_s") / median(lr["hang"], "to_step_s"), 2)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Redis clients that ride out a Redis restart, for the writes that must not be lost.
+
+Two kinds of Redis traffic live in a job, and they want opposite behaviour when Redis goes
+away for a few seconds (a restart, a failover):
+
+- the watch path (heartbeats published and read every interval) must fail fast: a missed
+  beat is harmless, the next interval tries again, and the monitor knows the store was
+  unreachable rather than the ranks dead;
+- the record path (the controller's job state and event log, a checkpoint's commit reports)
+  must wait and retry: dropping those would lose an event or abort a commit.
+
+`patient_client` is the second kind: redis-py's own retry with exponential backoff, sized so
+that the retries span about `patience_s` seconds before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 1.0
+
+
+def retries_for(patience_s: float, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> int:
+    """How many doubling waits (base, 2 base, ..., capped at cap) add up to `patience_s`."""
+    waited, wait, retries = 0.0, base_s, 0
+    while waited < patience_s:
+        waited += wait
+        wait = min(wait * 2, cap_s)
+        retries += 1
+    return retries
+
+
+def patient_client(url: str, patience_s: float) -> redis.Redis:
+    """A client whose commands retry connection errors for about `patience_s` seconds."""
+    retry = Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries_for(patience_s))
+    return redis.Redis.from_url(url, retry=retry, socket_connect_timeout=2.0,
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
+def quick_client(url: str) -> redis.Redis:
+    """A client that fails at once when Redis is away (the watch path)."""
+    return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(), 0), socket_connect_timeout=2.0,
+                                socket_timeout=5.0)

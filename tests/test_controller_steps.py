@@ -1,0 +1,377 @@
+"""The controller's state machine, one transition at a time, against a fake worker group.
+
+No Ray here: the launcher hands out `FakeGroup`s whose polls return scripted rank endings,
+the heartbeats are real keys in a real Redis (published by the test as the workers would),
+and the monitor's clock is a fake one the polls advance. Each test steps the controller and
+checks the state it moved to, what it asked of the group, and what it wrote to the job record.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from longrun.config import config_from_dict
+from longrun.controller.controller import Controller, JobFailed, job_status
+from longrun.controller.placement import PlacementImpossible, PlacementTimeout
+from longrun.controller.state import JobState
+from longrun.controller.workers import RankEnded
+from longrun.health.heartbeat import HeartbeatPublisher
+
+WORLD = 4
+NODES = ("node-a", "node-b")
+
+
+def job(name: str, **recovery):
+    return config_from_dict({
+        "job": {"name": name},
+        "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
+        "parallelism": {"dp": WORLD},
+        "training": {"steps": 10},
+        "health": {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 5.0, "hang_timeout_s": 30,
+                   "hang_min_s": 10},
+        "recovery": {"restart_backoff_s": 2.0} | recovery,
+    })
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeGroup:
+    """One attempt: `script` holds what each poll returns (rank endings); polls advance the clock."""
+
+    def __init__(self, attempt: int, clock: Clock, diagnostics=None):
+        self.attempt, self.clock = attempt, clock
+        self.node_ids = NODES
+        self.diagnostics = diagnostics or {}  # rank -> failure reason
+        self.script: list[list[RankEnded]] = []
+        self.started = self.stopped = False
+        self.pending = set(range(WORLD))
+
+    def node_of(self, rank: int) -> str:
+        return NODES[rank // 2]
+
+    def diagnose(self, timeout_s: float):
+        return [{"node": self.node_of(r), "rank": r, "ok": r not in self.diagnostics,
+                 "reason": self.diagnostics.get(r, ""), "checks": []} for r in range(WORLD)]
+
+    def start(self) -> None:
+        self.started = True
+
+    def running(self) -> int:
+        return len(self.pending)
+
+    def poll(self, timeout_s: float) -> list[RankEnded]:
+        self.clock.t += timeout_s
+        ended = self.script.pop(0) if self.script else []
+        self.pending -= {e.rank for e in ended}
+        return ended
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Launcher:
+    """Hands out a FakeGroup per attempt, or raises what `failures` lists for that attempt."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.calls: list[dict] = []
+        self.groups: list[FakeGroup] = []
+        self.failures: dict[int, Exception] = {}
+        self.diagnostics: dict[int, dict[int, str]] = {}
+        self.skips: list[tuple[int, int] | None] = []
+        self.warmed: list[int] = []  # attempts whose spares were asked for
+        self.released = 0
+
+    def warm_spares(self) -> None:
+        self.warmed.append(self.calls[-1]["attempt"])
+
+    def release(self) -> None:
+        self.released += 1
+
+    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=None):
+        self.calls.append({"attempt": attempt, "evicted": set(evicted), "resume_before": resume_before_step})
+        self.skips.append(skip_steps)
+        if attempt in self.failures:
+            raise self.failures[attempt]
+        group = FakeGroup(attempt, self.clock, self.diagnostics.get(attempt))
+        self.groups.append(group)
+        return group
+
+
+@pytest.fixture
+def rig(redis_server, redis_client):
+    clock = Clock()
+    launcher = Launcher(clock)
+    sleeps: list[float] = []
+
+    def make(cfg, **kw):
+        return Controller(cfg, redis_server.url, launch=launcher, clock=clock, sleep=sleeps.append, **kw)
+
+    return make, launcher, clock, sleeps
+
+
+def beat(redis_client, cfg, attempt: int, rank: int, **fields) -> None:
+    """Publish one heartbeat as rank `rank` of `attempt` would."""
+    pub = HeartbeatPublisher(redis_client, cfg.job.name, attempt, rank, interval_s=1.0, timeout_s=60.0)
+    pub.update(**fields)
+    pub.publish_now()
+
+
+def beat_all(redis_client, cfg, attempt: int, **fields) -> None:
+    for rank in range(WORLD):
+        beat(redis_client, cfg, attempt, rank, **fields)
+
+
+def finished(rank: int, step: int = 10) -> RankEnded:
+    return RankEnded(rank, summary={"rank": rank, "step": step, "loss": 2.0, "resumed_from": 0})
+
+
+def drive_to_running(c: Controller) -> None:
+    for want in (JobState.PLACING, JobState.DIAGNOSING, JobState.RENDEZVOUS, JobState.RUNNING):
+        assert c.step() is want
+
+
+def test_happy_path_one_transition_at_a_time(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-happy")
+    c = make(cfg)
+    assert c.machine.state is JobState.PENDING
+    assert c.step() is JobState.PLACING and not launcher.calls  # placing is announced, then done
+    assert c.step() is JobState.DIAGNOSING
+    assert launcher.calls == [{"attempt": 0, "evicted": set(), "resume_before": None}]
+    group = launcher.groups[0]
+    assert c.step() is JobState.RENDEZVOUS and not group.started
+    assert c.step() is JobState.RUNNING and group.started
+    beat_all(redis_client, cfg, 0, step=4, phase="forward", loss=2.5)
+    assert c.step() is JobState.RUNNING  # a poll with nothing ended: keep watching
+    assert job_status(redis_client, cfg.job.name)["step"] == 4
+    group.script.append([finished(r) for r in range(WORLD)])
+    assert c.step() is JobState.SUCCEEDED and group.stopped
+    assert c.step() is JobState.SUCCEEDED  # terminal: stepping again does nothing
+    assert c.summary["step"] == 10 and c.summary["attempt"] == 0 and c.summary["restarts"] == 0
+    status = job_status(redis_client, cfg.job.name, events=20)
+    assert [e["to"] for e in status["events"] if e["type"] == "transition"] == [
+        "PLACING", "DIAGNOSING", "RENDEZVOUS", "RUNNING", "SUCCEEDED"]
+
+
+def test_no_diagnostics_goes_straight_to_rendezvous(rig):
+    make, *_ = rig
+    c = make(job("steps-nodiag", diagnostics=[]))
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.RENDEZVOUS
+
+
+def test_a_dead_rank_restarts_under_the_next_attempt_after_the_backoff(rig, redis_client):
+    make, launcher, _, sleeps = rig
+    cfg = job("steps-dead")
+    c = make(cfg)
+    drive_to_running(c)
+    group = launcher.groups[0]
+    group.script.append([RankEnded(2, kind="dead", detail="rank 2's process died")])
+    assert c.step() is JobState.RECOVERING
+    assert group.stopped and c.group is None
+    assert not sleeps  # the backoff is paced by RECOVERING's own step
+    assert c.step() is JobState.PLACING and sleeps == [2.0]
+    assert c.attempt_number == 1
+    assert c.step() is JobState.DIAGNOSING
+    assert launcher.calls[-1] == {"attempt": 1, "evicted": set(), "resume_before": None}
+    status = job_status(redis_client, cfg.job.name, events=50)
+    assert status["restarts"] == 1 and status["attempt"] == 1
+    fault = next(e for e in status["events"] if e["type"] == "fault")
+    assert (fault["fault"], fault["rank"], fault["node"]) == ("dead", 2, "node-b")
+
+
+def test_a_failed_self_check_evicts_its_node_and_replaces_without_it(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-diag")
+    launcher.diagnostics[0] = {3: "compute check: 12% off the CPU reference"}
+    c = make(cfg)
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.DIAGNOSING
+    assert c.step() is JobState.RECOVERING
+    assert launcher.groups[0].stopped and not launcher.groups[0].started
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.DIAGNOSING
+    assert launcher.calls[-1]["evicted"] == {"node-b"}
+    status = job_status(redis_client, cfg.job.name, events=50)
+    assert "node-b" in status["evicted"]
+    assert any(e["type"] == "diagnostics_failed" and e["node"] == "node-b" for e in status["events"])
+
+
+def test_a_job_that_can_never_be_placed_fails_with_the_reason(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-impossible")
+    launcher.failures[0] = PlacementImpossible("the job needs 2 node(s); the cluster has 1")
+    c = make(cfg)
+    with pytest.raises(JobFailed, match="the cluster has 1"):
+        c.run()
+    assert c.machine.state is JobState.FAILED and len(launcher.calls) == 1
+    assert launcher.released == 1  # run() gives the placement (and any spares) back
+    assert "the cluster has 1" in job_status(redis_client, cfg.job.name)["fields"]["reason"]
+
+
+def test_busy_resources_are_a_restart_not_a_failure(rig):
+    make, launcher, *_ = rig
+    launcher.failures[0] = PlacementTimeout("could not be reserved within 120 s")
+    c = make(job("steps-busy"))
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.RECOVERING
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.DIAGNOSING and launcher.calls[-1]["attempt"] == 1
+
+
+def test_an_exception_waits_for_its_cause_and_the_dead_peer_is_blamed(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-echo")
+    c = make(cfg)
+    drive_to_running(c)
+    group = launcher.groups[0]
+    group.script += [[RankEnded(1, kind="exception", detail="rank 1 raised RuntimeError: gloo")],
+                     [RankEnded(3, kind="dead", detail="rank 3's process died")]]
+    assert c.step() is JobState.RUNNING  # held: the exception may be an echo
+    assert not [e for e in job_status(redis_client, cfg.job.name, 50)["events"] if e["type"] == "fault"]
+    assert c.step() is JobState.RECOVERING
+    restart = redis_client.lrange(c.record.restarts_key, 0, -1)
+    assert b'"cause": "dead"' in restart[0] and b'"rank": 3' in restart[0]
+
+
+def test_a_lone_exception_is_decided_after_the_heartbeat_timeout(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-lone")
+    c = make(cfg)
+    drive_to_running(c)
+    beat_all(redis_client, cfg, 0, step=2, phase="forward")
+    launcher.groups[0].script.append([RankEnded(0, kind="exception", detail="rank 0 raised ValueError")])
+    states = [c.step()]
+    while states[-1] is JobState.RUNNING:
+        beat_all(redis_client, cfg, 0, step=2, phase="forward")  # its peers are alive
+        states.append(c.step())
+    # The exception is held for heartbeat_timeout_s (5 s of 1 s polls), then decided.
+    assert states[-1] is JobState.RECOVERING and 4 <= len(states) <= 7, states
+
+
+def test_a_hang_is_declared_from_heartbeats_that_stop_advancing(rig, redis_client):
+    make, *_ = rig
+    cfg = job("steps-hang")
+    c = make(cfg)
+    drive_to_running(c)
+    for step in range(1, 6):  # the monitor learns 1 s steps
+        beat_all(redis_client, cfg, 0, step=step, phase="forward", step_time_s=1.0)
+        assert c.step() is JobState.RUNNING
+    polls = 0
+    while c.machine.state is JobState.RUNNING and polls < 40:
+        beat_all(redis_client, cfg, 0, step=5, phase="backward", step_time_s=1.0)  # alive, stuck
+        c.step()
+        polls += 1
+    assert c.machine.state is JobState.RECOVERING
+    # The learned timeout (max(hang_min_s 10, 5 x 1 s)), well before the 30 s ceiling.
+    assert 10 <= polls <= 12, polls
+    fault = next(e for e in job_status(redis_client, cfg.job.name, 50)["events"] if e["type"] == "fault")
+    assert fault["fault"] == "hang" and fault["step"] == 5
+
+
+def test_nan_resumes_before_the_poisoned_step(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-nan")
+    c = make(cfg)
+    drive_to_running(c)
+    launcher.groups[0].script.append([RankEnded(1, kind="nan", step=6, detail="rank 1 raised NonFinite")])
+    assert c.step() is JobState.RECOVERING
+    c.step()
+    c.step()
+    assert launcher.calls[-1]["resume_before"] == 6
+
+
+def test_a_spent_budget_gives_up(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-budget", max_restarts=1)
+    c = make(cfg)
+    for attempt in range(2):
+        drive_to_running(c) if attempt == 0 else [c.step() for _ in range(4)]
+        launcher.groups[-1].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
+        c.step()
+    assert c.machine.state is JobState.FAILED and launcher.groups[-1].stopped
+    assert "restart budget" in c.failure
+    with pytest.raises(JobFailed, match="restart budget"):
+        c.run()
+
+
+def test_a_straggler_is_reported_and_the_attempt_keeps_running(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-straggler")
+    c = make(cfg)
+    drive_to_running(c)
+    for step in range(1, 12):
+        for rank in range(WORLD):
+            beat(redis_client, cfg, 0, rank, step=step, phase="forward",
+                 step_time_s=3.0 if rank == 1 else 1.0)
+        assert c.step() is JobState.RUNNING
+    events = job_status(redis_client, cfg.job.name, 50)["events"]
+    assert any(e["type"] == "fault" and e["fault"] == "straggler" and e["rank"] == 1 for e in events)
+    assert any(e["type"] == "decision" and "straggler" in e["reason"] for e in events)
+    assert not launcher.groups[0].stopped
+
+
+def test_recovery_is_measured_to_the_first_step_of_the_new_attempt(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-recovered")
+    c = make(cfg)
+    drive_to_running(c)
+    launcher.groups[0].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
+    c.step()
+    for _ in range(4):
+        c.step()
+    assert c.machine.state is JobState.RUNNING and c.attempt_number == 1
+    beat_all(redis_client, cfg, 1, step=4, resumed_from=4, phase="restore")
+    c.step()
+    events = job_status(redis_client, cfg.job.name, 50)["events"]
+    assert not any(e["type"] == "recovered" for e in events)  # restored is not yet a step
+    beat_all(redis_client, cfg, 1, step=5, resumed_from=4, phase="forward")
+    c.step()
+    recovered = [e for e in job_status(redis_client, cfg.job.name, 50)["events"] if e["type"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["attempt"] == 1 and recovered[0]["seconds"] >= 0
+    # Spares for the next restart are warmed once the attempt trains, not during its start-up.
+    assert launcher.warmed == [1]
+
+
+def test_a_new_controller_continues_an_unfinished_job(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-resume")
+    first = make(cfg)
+    drive_to_running(first)  # ... and then its process dies: nothing more is written
+    second = make(cfg)
+    assert second.step() is JobState.PLACING and second.attempt_number == 1
+    assert second.step() is JobState.DIAGNOSING and launcher.calls[-1]["attempt"] == 1
+    assert any(e["type"] == "resume" for e in job_status(redis_client, cfg.job.name, 50)["events"])
+
+
+def test_a_spike_that_returns_at_the_same_data_is_skipped_on_the_next_attempt(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-spike")  # recovery.skip_after_spikes = 2: retry the data once, then skip it
+    c = make(cfg)
+    drive_to_running(c)
+
+    def train_to_spike(attempt: int, first: int) -> None:
+        for step in range(first, 13):
+            beat_all(redis_client, cfg, attempt, step=step, phase="forward",
+                     loss=80.0 if step == 12 else 2.0 + 0.01 * step, step_time_s=1.0)
+            if c.step() is not JobState.RUNNING:
+                return
+
+    train_to_spike(0, 1)
+    assert c.machine.state is JobState.RECOVERING
+    for _ in range(3):
+        c.step()
+    assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] is None  # retry the data once
+    c.step()
+    train_to_spike(1, 9)  # resumed from the checkpoint of step 8: the spike comes back at step 12
+    assert c.machine.state is JobState.RECOVERING
+    for _ in range(3):
+        c.step()
+    assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] == (12, 12)
