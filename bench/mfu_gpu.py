@@ -48,14 +48,8 @@ import torch
 from longrun.config import config_from_dict
 from longrun.trainer import Trainer
 from longrun.trainer import model as model_module
+from longrun.trainer.flops import peak_for
 
-# bf16 dense peak FLOP/s, matched in order as substrings of torch.cuda.get_device_name().
-PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100", 989.4e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989.4e12),
-    ("A100", 312e12),
-)
 MODEL_1B = {"dim": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 8192,
             "max_seq_len": 4096, "vocab_size": 260}
 MODEL_TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 256,
@@ -66,10 +60,6 @@ ATTENTION_OPS = ("attention", "attn", "flash", "varlen", "scaled_dot_product")
 
 def log(msg: str) -> None:
     print(f"[mfu_gpu] {msg}", file=sys.stderr, flush=True)
-
-
-def peak_for(name: str) -> float | None:
-    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name.lower()), None)
 
 
 def make_config(model: dict, device: str, tokens: int, grad_accum: int, steps: int):

@@ -100,5 +100,10 @@ def test_run_explains_what_the_controller_does_not_run_yet(repo_root, tmp_path):
     out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "cluster.workers_per_node=2",
                   "--set", "parallelism.tp=2", "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 1
-    assert "data-parallel jobs for now" in out.stderr
+    assert "no tensor or pipeline parallelism yet" in out.stderr
     assert "starting an embedded" not in out.stderr  # refused before starting any service
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "cluster.workers_per_node=2",
+                  "--set", "parallelism.cp=2", "--set", "parallelism.dp=1",
+                  "--set", "parallelism.cp_impl=ulysses",
+                  "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 1 and "cp_impl 'ulysses'" in out.stderr, out.stderr

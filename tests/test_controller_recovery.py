@@ -233,7 +233,8 @@ def test_chaos_random_faults_until_the_end_lose_nothing(cluster, reference, redi
                                                         tmp_path):
     """A bounded chaos run (3 faults; LONGRUN_CHAOS_FAULTS for more, LONGRUN_CHAOS_SEED to
     replay one): every fault is detected and recovered from, each costs exactly one restart,
-    and the job ends with the uninterrupted run's weights."""
+    and the job ends with the uninterrupted run's weights. (The cluster has one spare node:
+    with more faults, two evictions for repeated deaths on a node can leave too few nodes.)"""
     import time
 
     seed = int(os.environ.get("LONGRUN_CHAOS_SEED", time.time_ns() % 100_000))

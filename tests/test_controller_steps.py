@@ -375,3 +375,30 @@ def test_a_spike_that_returns_at_the_same_data_is_skipped_on_the_next_attempt(ri
     for _ in range(3):
         c.step()
     assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] == (12, 12)
+
+
+def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):
+    make, launcher, *_ = rig
+    cfg = job("steps-metrics")
+    c = make(cfg)
+    value = c.metrics.registry.get_sample_value
+    drive_to_running(c)
+    assert value("longrun_job_state", {"job": cfg.job.name, "longrun_job_state": "RUNNING"}) == 1
+    for rank in range(WORLD):
+        beat(redis_client, cfg, 0, rank, step=2, phase="forward", metrics_addr=f"127.0.0.1:{9100 + rank}")
+    c.step()
+    workers = [g for g in c.targets() if g["labels"]["role"] == "worker"]
+    assert [g["targets"] for g in workers] == [[f"127.0.0.1:{9100 + r}"] for r in range(WORLD)]
+    assert {g["labels"]["node"] for g in workers} == set(NODES) and workers[0]["labels"]["attempt"] == "0"
+    assert value("longrun_heartbeat_age_seconds", {"job": cfg.job.name, "rank": "3", "node": "node-b"}) >= 0
+    launcher.groups[0].script.append([RankEnded(3, kind="dead", detail="rank 3's process died")])
+    assert c.step() is JobState.RECOVERING
+    assert value("longrun_job_restarts_total", {"job": cfg.job.name, "cause": "dead"}) == 1
+    assert value("longrun_job_faults_total", {"job": cfg.job.name, "kind": "dead"}) == 1
+    assert value("longrun_fault_detection_seconds_count", {"job": cfg.job.name}) == 1
+    # The dead attempt's workers leave the targets (and their per-rank series go).
+    assert [g["labels"]["role"] for g in c.targets()] == ["controller"]
+    age = {"job": cfg.job.name, "rank": "3", "node": "node-b"}
+    assert value("longrun_heartbeat_age_seconds", age) is None
+    c.step()
+    assert value("longrun_job_attempt", {"job": cfg.job.name}) == 1

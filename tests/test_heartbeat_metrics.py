@@ -37,20 +37,23 @@ def test_keys_are_namespaced_and_checked():
 
 
 def test_worker_metrics_are_served_on_loopback():
-    metrics = WorkerMetrics("demo", rank=3)
+    metrics = WorkerMetrics("demo", rank=3, attempt=1, node="node-a")
     port = metrics.serve("127.0.0.1", 0)
     try:
         step = SimpleNamespace(step=5, loss=1.25, grad_norm=0.5, lr=1e-3, tokens=4096, tokens_per_s=2048.0,
-                               step_time_s=2.0, data_wait_s=0.01, mfu=None)
+                               step_time_s=2.0, data_wait_s=0.01, mfu=None, memory_bytes=2**20)
         metrics.observe_step(step)
         metrics.observe_step(SimpleNamespace(**{**vars(step), "step": 6, "loss": float("nan")}))
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, never a proxy
+        body = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         metrics.close()
-    assert 'longrun_train_step{job="demo",rank="3"} 6.0' in body
-    assert 'longrun_train_loss{job="demo",rank="3"} 1.25' in body  # NaN is not exported as a loss
-    assert 'longrun_train_tokens_total{job="demo",rank="3"} 8192.0' in body
-    assert 'longrun_train_step_duration_seconds_count{job="demo",rank="3"} 2.0' in body
+    labels = 'attempt="1",job="demo",node="node-a",rank="3"'
+    assert f"longrun_train_step{{{labels}}} 6.0" in body
+    assert f"longrun_train_loss{{{labels}}} 1.25" in body  # NaN is not exported as a loss
+    assert f"longrun_train_tokens_total{{{labels}}} 8192.0" in body
+    assert f"longrun_train_step_duration_seconds_count{{{labels}}} 2.0" in body
+    assert f"longrun_train_memory_bytes{{{labels}}} 1.048576e+06" in body
     assert "longrun_train_mfu_ratio{" not in body
 
 

@@ -53,6 +53,9 @@ class ClusterSection(Section):
     nodes: PositiveInt = Field(1, description="Number of nodes the job spans.")
     workers_per_node: PositiveInt = Field(1, description="Workers per node: one per accelerator.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when present.")
+    peak_tflops: PositiveFloat | None = Field(
+        None, description="One accelerator's dense peak TFLOP/s in the training dtype, for MFU; "
+        "null: looked up for known GPUs (H100, H200, A100), none on CPU (MFU not reported).")
 
     @property
     def world_size(self) -> int:
@@ -240,7 +243,13 @@ class RecoverySection(Section):
 
 
 class ObservabilitySection(Section):
-    metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(0, description="0 picks a free port.")
-    metrics_host: str = "127.0.0.1"
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        0, description="Each worker's /metrics port; 0 picks a free one (several workers share a node).")
+    metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics (worker and "
+                              "controller); 0.0.0.0 on a real cluster, advertised as the node's IP.")
+    controller_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        0, description="The controller's /metrics and /sd (Prometheus http_sd) port; 0 picks a free one.")
+    file_sd_path: str | None = Field(
+        None, description="Also write the scrape targets to this Prometheus file_sd JSON file.")
     grafana_url: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -41,6 +41,8 @@ from longrun.controller.workers import Launcher, RankEnded, RayLauncher, WorkerG
 from longrun.health.heartbeat import Heartbeat, read_heartbeats
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
+from longrun.observability.controller_metrics import ControllerMetrics
+from longrun.observability.discovery import advertised_address, target_groups, write_file_sd
 from longrun.services.redis_client import patient_client, quick_client
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class Controller:
                  on_event: Callable[[str], None] | None = None, placement_timeout_s: float = 120.0,
                  diagnostics_timeout_s: float = 300.0, launch: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, serve_metrics: bool = True):
         self.cfg = cfg
         self.redis_url = redis_url
         self.client = patient_client(redis_url, cfg.health.store_patience_s)  # the record path
@@ -85,11 +87,32 @@ class Controller:
         self._declared_at: float | None = None  # wall time of the fault the recovery answers
         self._store_lost_at: float | None = None  # wall time the heartbeat reads started failing
         self._trained = False  # the current attempt has completed a step on every rank
+        # Operators' view: /metrics and /sd (the workers' scrape targets follow restarts).
+        self.metrics = ControllerMetrics(cfg.job.name)
+        self._endpoints: dict[int, tuple[str, str]] = {}  # rank -> (metrics host:port, node)
+        self._last_beat_at: dict[int, float] = {}  # rank -> sent_at of its newest heartbeat
+        self._address: str | None = None
+        if serve_metrics:
+            obs = cfg.observability
+            port = self.metrics.serve(obs.metrics_host, obs.controller_port, targets=self.targets)
+            self._address = advertised_address(obs.metrics_host, port)
+            self.on_event(f"metrics: http://{self._address}/metrics, service discovery "
+                          f"http://{self._address}/sd")
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _move(self, target: JobState, reason: str) -> None:
         self.record.record_transition(self.machine.transition(target, reason), self.attempt_number)
+        self.metrics.set_state(str(target))
+        self.metrics.set_attempt(self.attempt_number)
         self.on_event(f"state {target}: {reason}")
+
+    def targets(self) -> list[dict]:
+        """The Prometheus scrape targets now: this attempt's workers and the controller."""
+        return target_groups(self.cfg.job.name, self.attempt_number, dict(self._endpoints), self._address)
+
+    def _targets_changed(self) -> None:
+        if self.cfg.observability.file_sd_path:
+            write_file_sd(self.cfg.observability.file_sd_path, self.targets())
 
     def _event(self, kind: str, message: str, **extra: Any) -> None:
         self.record.event(kind, self.attempt_number, message, **extra)
@@ -117,6 +140,7 @@ class Controller:
             self.launch.release()
             self.client.close()
             self.watch_client.close()
+            self.metrics.close()
         if self.machine.state is JobState.FAILED:
             raise JobFailed(self.failure)
         assert self.summary is not None
@@ -140,6 +164,8 @@ class Controller:
     def _on_pending(self) -> None:
         self._resume_point()
         self.record.update(steps=self.cfg.training.steps, world_size=self.cfg.world_size)
+        self.metrics.set_evicted(len(self.record.evicted()))
+        self._targets_changed()
         self._move(JobState.PLACING, self._placing_reason())
 
     def _on_placing(self) -> None:
@@ -163,6 +189,9 @@ class Controller:
 
     def _on_diagnosing(self) -> None:
         reports = self.group.diagnose(self.diagnostics_timeout_s)
+        for report in reports:
+            for name, ok, seconds, _detail in report["checks"]:
+                self.metrics.diagnostics(report["node"], name, ok, seconds)
         failed = {r["node"]: f"rank {r['rank']}: {r['reason']}" for r in reports if not r["ok"]}
         for node, reason in failed.items():
             self._event("diagnostics_failed", f"node {node[:12]} failed its self-check ({reason})",
@@ -189,8 +218,12 @@ class Controller:
             return
         self._declared_at = self.wall()
         for incident in incidents:
+            self.metrics.fault(incident.kind)
             self._event("fault", incident.detail, fault=incident.kind, rank=incident.rank,
                         node=incident.node, step=incident.step)
+        seen = [self._last_beat_at[i.rank] for i in incidents if i.rank in self._last_beat_at]
+        if seen:  # from the last sign of life of a rank at fault: an upper bound on detection
+            self.metrics.detection(max(0.0, self._declared_at - min(seen)))
         decision = self._decide(incidents, {})
         if decision.action is Action.CONTINUE:
             self._event("decision", decision.reason)  # reported; keep watching this attempt
@@ -279,6 +312,18 @@ class Controller:
         if not live:
             return
         first = min(live, key=lambda b: b.rank)
+        wall = self.wall()
+        endpoints = dict(self._endpoints)
+        for b in live:
+            node = self.group.node_of(b.rank)
+            self._last_beat_at[b.rank] = b.sent_at
+            self.metrics.heartbeat_age(b.rank, node, max(0.0, wall - b.sent_at))
+            if b.metrics_addr:
+                endpoints[b.rank] = (b.metrics_addr, node)
+        if endpoints != self._endpoints:
+            self._endpoints = endpoints
+            self._targets_changed()
+        self.metrics.set_step(min(b.step for b in live), self.cfg.training.steps)
         try:
             self.record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
         except (redis.RedisError, OSError) as exc:  # progress is refreshed next poll; not worth a stall
@@ -290,6 +335,7 @@ class Controller:
         if self._declared_at is not None:
             took = self.wall() - self._declared_at
             self._declared_at = None
+            self.metrics.recovery(took)
             self._event("recovered", f"attempt {self.attempt_number} completed its first step "
                         f"{took:.1f} s after the fault was declared", seconds=round(took, 3))
 
@@ -308,7 +354,10 @@ class Controller:
         for node in decision.evict_nodes:
             self.record.evict(node, decision.reason)
             self._event("evicted", f"node {node[:12]} will not be used again", node=node)
-        self.record.add_restart(RestartRecord.of(decision, at=self.wall()).to_dict())
+        restart = RestartRecord.of(decision, at=self.wall())
+        self.record.add_restart(restart.to_dict())
+        self.metrics.restart(restart.cause)
+        self.metrics.set_evicted(len(self.record.evicted()))
         self._resume_before, self._backoff_s = decision.resume_before_step, decision.backoff_s
         self._skip_steps = decision.skip_steps
         if self._declared_at is None:  # diagnostics or placement: the fault is declared now
@@ -324,12 +373,17 @@ class Controller:
         if self.group is not None:
             group, self.group = self.group, None
             group.stop()
+            # Its ranks are gone: their targets and per-rank series must not linger.
+            self._endpoints, self._last_beat_at = {}, {}
+            self.metrics.forget_ranks()
+            self._targets_changed()
 
     def _succeed(self) -> None:
         summary = self.summaries[0]
         self.record.update(step=summary["step"], loss=summary["loss"])
         self._stop_group()
         self._move(JobState.SUCCEEDED, f"finished {summary['step']} steps in attempt {self.attempt_number}")
+        self.metrics.set_step(summary["step"], self.cfg.training.steps)
         self.summary = summary | {"attempt": self.attempt_number, "restarts": len(self.record.restarts()),
                                   "evicted": sorted(self.record.evicted())}
 

@@ -16,13 +16,19 @@ class UnsupportedJob(ValueError):
 
 
 def check_supported(cfg: JobConfig) -> None:
+    """What the controller's workers can run today: data and context parallelism (ring, static
+    or dynamic). The trainer has no tensor or pipeline parallelism yet, and Ulysses/USP need
+    sub-groups commgroup does not create yet."""
     par = cfg.parallelism
-    if par.tp * par.cp * par.pp > 1:
+    if par.tp * par.pp > 1:
         raise UnsupportedJob(
-            f"the controller runs data-parallel jobs for now; the config asks for tp {par.tp}, "
-            f"cp {par.cp}, pp {par.pp}. Set them to 1 (context parallelism runs through the "
-            "trainer API: see docs/architecture.md)."
-        )
+            f"the trainer has no tensor or pipeline parallelism yet; the config asks for tp {par.tp}, "
+            f"pp {par.pp}. Set both to 1 (data and context parallelism are supported).")
+    if (par.cp > 1 or par.dynamic_cp) and par.cp_impl != "ring":
+        raise UnsupportedJob(
+            f"a controller job runs context parallelism with ring attention; cp_impl {par.cp_impl!r} "
+            "needs Ulysses sub-groups that commgroup does not create yet. Set parallelism.cp_impl "
+            "to 'ring'.")
 
 
 def run_job(cfg: JobConfig, redis_url: str, *, on_event: Callable[[str], None] | None = None,

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
@@ -141,3 +142,72 @@ def kill_pids(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+class EmbeddedServer:
+    """A server binary on a loopback port, in a private temporary directory, stopped for sure.
+
+    Subclasses write their files in `_prepare(workdir)` (once), start the process for
+    `self.port` in `_launch(workdir)`, check it serves in `_wait_ready()`, and may ask it to
+    shut down cleanly in `_shutdown()` before `stop()` makes sure it is gone."""
+
+    name = "server"
+    retry_grace_s = 1.0  # stopping a try that never became ready
+
+    def __init__(self, *, host: str, port: int | None, start_timeout_s: float):
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port must be between 1 and 65535 (or None for a free one), got {port}")
+        self.host, self.requested_port, self.start_timeout_s = host, port, start_timeout_s
+        self.port: int | None = None
+        self.process: ManagedProcess | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+
+    def _prepare(self, workdir: Path) -> None:
+        pass
+
+    def _launch(self, workdir: Path) -> ManagedProcess:
+        raise NotImplementedError
+
+    def _wait_ready(self) -> None:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        pass
+
+    def start(self):
+        from longrun.services.ports import free_port
+
+        self._workdir = tempfile.TemporaryDirectory(prefix=f"longrun-{self.name}-")
+        workdir = Path(self._workdir.name)
+        self._prepare(workdir)
+        # A clash on a port picked a moment ago is possible; pick again, a few times.
+        attempts = 1 if self.requested_port else 3
+        last_error = ""
+        for _ in range(attempts):
+            self.port = self.requested_port or free_port(self.host)
+            self.process = self._launch(workdir)
+            try:
+                self._wait_ready()
+                return self
+            except ServiceError as exc:
+                last_error = str(exc)
+                self.process.stop(grace_s=self.retry_grace_s)
+        self.port = None
+        raise ServiceError(last_error)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            if self.process.alive():
+                self._shutdown()
+            self.process.stop()
+            self.process = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+        self.port = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

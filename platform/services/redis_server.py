@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,7 @@ from urllib.parse import quote, urlencode
 
 import redis
 
-from longrun.services.ports import free_port
-from longrun.services.process import ManagedProcess, ServiceError
+from longrun.services.process import EmbeddedServer, ManagedProcess, ServiceError
 
 INSTALL_HINT = "install it with: apt-get update && apt-get install -y redis-server (or run scripts/bootstrap)"
 
@@ -40,8 +38,10 @@ class TlsFiles:
     ca: Path
 
 
-class EmbeddedRedis:
+class EmbeddedRedis(EmbeddedServer):
     """`with EmbeddedRedis() as server: redis.Redis.from_url(server.url)`."""
+
+    name = "redis"
 
     def __init__(
         self,
@@ -53,17 +53,10 @@ class EmbeddedRedis:
         tls: TlsFiles | None = None,
         start_timeout_s: float = 15.0,
     ):
-        if port is not None and not 0 < port < 65536:
-            raise ValueError(f"port must be between 1 and 65535 (or None for a free one), got {port}")
-        self.host = host
-        self.requested_port = port
+        super().__init__(host=host, port=port, start_timeout_s=start_timeout_s)
         self.password = password or secrets.token_urlsafe(24)
         self.persist_dir = Path(persist_dir) if persist_dir else None
         self.tls = tls
-        self.start_timeout_s = start_timeout_s
-        self.port: int | None = None
-        self.process: ManagedProcess | None = None
-        self._workdir: tempfile.TemporaryDirectory | None = None
 
     @property
     def url(self) -> str:
@@ -78,46 +71,19 @@ class EmbeddedRedis:
     def client(self, **kwargs) -> redis.Redis:
         return redis.Redis.from_url(self.url, **kwargs)
 
-    def start(self) -> EmbeddedRedis:
-        binary = find_redis_server()
-        self._workdir = tempfile.TemporaryDirectory(prefix="longrun-redis-")
-        workdir = Path(self._workdir.name)
-        # A clash on a port picked a moment ago is possible; pick again, a few times.
-        attempts = 1 if self.requested_port else 3
-        last_error = ""
-        for _ in range(attempts):
-            self.port = self.requested_port or free_port(self.host)
-            conf = workdir / "redis.conf"
-            conf.write_text(self._config_text(workdir))
-            conf.chmod(0o600)  # the password lives here, not on a command line ps can read
-            self.process = ManagedProcess("redis-server", [binary, str(conf)], workdir / "redis.log")
-            try:
-                self._wait_ready()
-                return self
-            except ServiceError as exc:
-                last_error = str(exc)
-                self.process.stop(grace_s=1.0)
-        self.port = None
-        raise ServiceError(last_error)
+    def _prepare(self, workdir: Path) -> None:
+        self._binary = find_redis_server()
 
-    def stop(self) -> None:
-        if self.process is not None:
-            if self.process.alive():
-                # Already going away is fine: process.stop() below makes sure.
-                with contextlib.suppress(redis.RedisError, OSError):
-                    self.client(socket_timeout=2).shutdown(nosave=self.persist_dir is None)
-            self.process.stop()
-            self.process = None
-        if self._workdir is not None:
-            self._workdir.cleanup()
-            self._workdir = None
-        self.port = None
+    def _launch(self, workdir: Path) -> ManagedProcess:
+        conf = workdir / "redis.conf"
+        conf.write_text(self._config_text(workdir))
+        conf.chmod(0o600)  # the password lives here, not on a command line ps can read
+        return ManagedProcess("redis-server", [self._binary, str(conf)], workdir / "redis.log")
 
-    def __enter__(self) -> EmbeddedRedis:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def _shutdown(self) -> None:
+        # Already going away is fine: stop() makes sure.
+        with contextlib.suppress(redis.RedisError, OSError):
+            self.client(socket_timeout=2).shutdown(nosave=self.persist_dir is None)
 
     def _config_text(self, workdir: Path) -> str:
         data_dir = self.persist_dir or workdir

@@ -47,6 +47,7 @@ from longrun.trainer.cp_batches import (
 )
 from longrun.trainer.cp_layout import LocalShard
 from longrun.trainer.data import DocumentSampler, build_corpus
+from longrun.trainer.dynamic_cp import Plan
 from longrun.trainer.model import Transformer
 from longrun.trainer.packing import (
     IGNORE_INDEX,
@@ -249,6 +250,7 @@ class Trainer:
         self.sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed,
                                        dp_rank=shard_rank, dp_size=shard_size)
         self.step = 0
+        self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)
         # Steps (1-based) whose data is consumed without training (see skip_step).
         self.skip_steps: frozenset[int] = frozenset()
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
@@ -417,6 +419,7 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self._data_state = batches[-1].sampler_state if planned is None else planned.sampler_state
+        self.last_plan = planned.plan if planned is not None else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
         step_time = time.perf_counter() - start

@@ -1,0 +1,107 @@
+"""Prometheus alert rules for longrun jobs, rendered to deploy/prometheus/rules.yml.
+
+The controller recovers from faults on its own; these alerts are for what it cannot fix or
+should not be trusted to notice: a job that gave up, a controller that stopped acting on
+stale heartbeats, restarts in a loop, silently lost efficiency, and checkpoints that stopped.
+Each rule links its section of docs/operations.md (what to do when it fires).
+
+Each rule also names its `signal`: the quantity the condition thresholds. A healthy job's
+alert expressions return nothing, so tests (and the end-to-end check) ask the signals for data
+and only require the full expressions to evaluate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+DEFAULT_RULES_PATH = Path("deploy/prometheus/rules.yml")
+RUNBOOK = "docs/operations.md"
+GROUP = "longrun"
+_RUNNING = 'max by (job) (longrun_job_state{longrun_job_state="RUNNING"}) == 1'
+
+# Thresholds: edit here and re-render (`longrun dashboards render`).
+HEARTBEAT_STALE_S = 30  # the monitor calls a rank dead after health.heartbeat_timeout_s (5 s)
+RESTART_STORM = 3  # restarts within 30 minutes
+MFU_DROP_RATIO = 0.8  # last 10 minutes vs the 2 hours before
+CHECKPOINT_MAX_AGE_S = 3600
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    name: str
+    expr: str
+    signal: str  # the quantity `expr` thresholds; returns data whenever the job reports it
+    for_: str
+    severity: str
+    summary: str
+    description: str
+
+    @property
+    def runbook(self) -> str:
+        return f"{RUNBOOK}#{self.name.lower()}"
+
+    def to_yaml_dict(self) -> dict:
+        return {"alert": self.name, "expr": self.expr, "for": self.for_,
+                "labels": {"severity": self.severity},
+                "annotations": {"summary": self.summary, "description": self.description,
+                                "runbook": self.runbook}}
+
+
+def _rules() -> tuple[AlertRule, ...]:
+    failed = 'max by (job) (longrun_job_state{longrun_job_state="FAILED"})'
+    heartbeat = "max by (job, rank, node) (longrun_heartbeat_age_seconds)"
+    restarts = "sum by (job) (increase(longrun_job_restarts_total[30m]))"
+    mfu_now = "avg by (job) (avg_over_time(longrun_train_mfu_ratio[10m]))"
+    mfu_before = "avg by (job) (avg_over_time(longrun_train_mfu_ratio[2h] offset 10m))"
+    ckpt_age = "time() - max by (job) (longrun_checkpoint_last_commit_timestamp_seconds)"
+    return (
+        AlertRule("LongrunJobFailed", f"{failed} == 1", failed, "0m", "critical",
+                  "longrun job {{ $labels.job }} failed",
+                  "The controller gave up on {{ $labels.job }}: the restart budget is spent or the fault "
+                  "cannot be recovered by a restart. Its committed checkpoints are kept: fix the cause and "
+                  "submit it again to resume from the newest."),
+        AlertRule("LongrunHeartbeatStale", f"{heartbeat} > {HEARTBEAT_STALE_S} and on (job) {_RUNNING}",
+                  heartbeat, "1m", "critical",
+                  "rank {{ $labels.rank }} of {{ $labels.job }} has not sent a heartbeat for "
+                  "{{ $value | humanizeDuration }}",
+                  f"The job is RUNNING but a rank's heartbeat is older than {HEARTBEAT_STALE_S} s, far past "
+                  "the monitor's timeout: the controller is not acting on it."),
+        AlertRule("LongrunRestartStorm", f"{restarts} > {RESTART_STORM}", restarts, "0m", "warning",
+                  "{{ $labels.job }} restarted {{ $value | humanize }} times in 30 minutes",
+                  "Restarts keep coming; each one loses the work since the last checkpoint. Look at the "
+                  "causes: the same node, the same step, or a bad config."),
+        AlertRule("LongrunMFUDrop", f"{mfu_now} < {MFU_DROP_RATIO} * {mfu_before} and on (job) {_RUNNING}",
+                  mfu_now, "15m", "warning",
+                  "MFU of {{ $labels.job }} dropped to {{ $value | humanizePercentage }}",
+                  f"Model FLOPs utilisation over the last 10 minutes is below {MFU_DROP_RATIO:g}x its "
+                  "level of the two hours before while the job keeps running: a straggler, a slow data "
+                  "pipeline, throttled or degraded hardware."),
+        AlertRule("LongrunCheckpointStale", f"{ckpt_age} > {CHECKPOINT_MAX_AGE_S} and on (job) {_RUNNING}",
+                  ckpt_age, "5m", "warning",
+                  "{{ $labels.job }} has not committed a checkpoint for {{ $value | humanizeDuration }}",
+                  f"No checkpoint committed for more than {CHECKPOINT_MAX_AGE_S} s while the job runs: "
+                  "a fault now would lose all of that work. Saves fail, or are skipped while busy."),
+    )
+
+
+RULES: tuple[AlertRule, ...] = _rules()
+
+
+def rules_document() -> dict:
+    return {"groups": [{"name": GROUP, "rules": [r.to_yaml_dict() for r in RULES]}]}
+
+
+def rules_text() -> str:
+    header = ("# Generated by `longrun dashboards render` from platform/observability/alerts.py;\n"
+              "# edit that file and re-render (a test fails if this file is out of date).\n")
+    return header + yaml.safe_dump(rules_document(), sort_keys=False, width=1000, allow_unicode=True)
+
+
+def render_rules(path: str | Path = DEFAULT_RULES_PATH) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(rules_text())
+    return path

@@ -1,0 +1,145 @@
+"""Controller-side Prometheus metrics: the job's state, faults, restarts and recovery times.
+
+Every series carries `job`; none carries `attempt` (the attempt is the value of
+longrun_job_attempt): the controller outlives attempts, and a counter split by attempt could
+not be summed with increase() across a restart. Causes, kinds, checks and phases come from
+the closed vocabularies in vocab.py, and every known value is created at 0 up front, so a
+dashboard query returns data (a zero) before the first fault.
+
+    metrics = ControllerMetrics("my-run")
+    port = metrics.serve("0.0.0.0", 9400, targets=lambda: target_groups(...))  # /metrics and /sd
+    metrics.set_state("RUNNING"); metrics.set_attempt(2); metrics.restart("hang")
+    metrics.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
+
+from longrun.controller.state import JobState
+from longrun.observability.server import ObservabilityServer
+from longrun.observability.vocab import (
+    CONTROLLER_LABELS,
+    DIAGNOSTIC_CHECKS,
+    FAULT_KINDS,
+    INIT_PHASES,
+    bounded,
+    fault_kind,
+)
+
+JOB_STATES = tuple(s.value for s in JobState)
+# From a missed heartbeat (seconds) to a hang caught by the hard ceiling (minutes).
+DETECTION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+# Fault detected -> training again: seconds on a warm cluster, many minutes with a new node.
+RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+
+
+class ControllerMetrics:
+    def __init__(self, job: str, *, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.job = job
+        labels = CONTROLLER_LABELS
+        # An Enum exports one series per state (1 for the current one), labelled by its own
+        # name: longrun_job_state{job="...", longrun_job_state="RUNNING"} 1.
+        self.state = Enum("longrun_job_state", "The controller's state.", labels, states=list(JOB_STATES),
+                          registry=r)
+        self.attempt = Gauge("longrun_job_attempt", "Current attempt (0 = the first run).", labels,
+                             registry=r)
+        self.step = Gauge("longrun_job_step", "Newest step the workers reported.", labels, registry=r)
+        self.planned = Gauge("longrun_job_planned_steps", "Steps the job is configured to train.", labels,
+                             registry=r)
+        self.restarts = Counter("longrun_job_restarts", "Restarts, by the fault that caused them.",
+                                (*labels, "cause"), registry=r)
+        self.faults = Counter("longrun_job_faults", "Faults detected, by kind (reported or acted upon).",
+                              (*labels, "kind"), registry=r)
+        self.detection_time = Histogram("longrun_fault_detection_seconds",
+                                        "From the fault (last sign of health) to its detection.", labels,
+                                        buckets=DETECTION_BUCKETS, registry=r)
+        self.recovery_time = Histogram("longrun_recovery_duration_seconds",
+                                       "From a fault's detection to training again.", labels,
+                                       buckets=RECOVERY_BUCKETS, registry=r)
+        self.evicted = Gauge("longrun_job_evicted_nodes", "Nodes evicted from the job.", labels, registry=r)
+        self.heartbeat = Gauge("longrun_heartbeat_age_seconds", "Age of each rank's newest heartbeat.",
+                               (*labels, "rank", "node"), registry=r)
+        self.diag_ok = Gauge("longrun_diagnostics_ok", "Last diagnostic result per node and check (1 = ok).",
+                             (*labels, "node", "check"), registry=r)
+        self.diag_time = Gauge("longrun_diagnostics_duration_seconds",
+                               "Duration of the last diagnostic per node and check.",
+                               (*labels, "node", "check"), registry=r)
+        self.group_init_time = Gauge("longrun_group_init_seconds",
+                                     "Communication-group bring-up time of the current attempt (rank 0), "
+                                     "per phase.", (*labels, "phase"), registry=r)
+        # Created up front: a series that exists at 0 answers queries before anything happens.
+        self.state.labels(job).state(JobState.PENDING.value)
+        for gauge in (self.attempt, self.step, self.planned, self.evicted):
+            gauge.labels(job).set(0)
+        for kind in FAULT_KINDS:
+            self.restarts.labels(job, kind)
+            self.faults.labels(job, kind)
+        self.detection_time.labels(job)
+        self.recovery_time.labels(job)
+        self._server: ObservabilityServer | None = None
+        self.port: int | None = None
+
+    def set_state(self, state: str) -> None:
+        if str(state) not in JOB_STATES:  # a bug in the caller, not an operator's input
+            raise ValueError(f"unknown job state {state!r}; expected one of {', '.join(JOB_STATES)}")
+        self.state.labels(self.job).state(str(state))
+
+    def set_attempt(self, n: int) -> None:
+        self.attempt.labels(self.job).set(n)
+
+    def set_step(self, step: int, total: int) -> None:
+        self.step.labels(self.job).set(step)
+        self.planned.labels(self.job).set(total)
+
+    def restart(self, cause: str) -> None:
+        """A restart decided because of `cause` (a fault kind; unknown ones count as "other")."""
+        self.restarts.labels(self.job, fault_kind(cause)).inc()
+
+    def fault(self, kind: str) -> None:
+        self.faults.labels(self.job, fault_kind(kind)).inc()
+
+    def detection(self, seconds: float) -> None:
+        self.detection_time.labels(self.job).observe(seconds)
+
+    def recovery(self, seconds: float) -> None:
+        self.recovery_time.labels(self.job).observe(seconds)
+
+    def set_evicted(self, count: int) -> None:
+        self.evicted.labels(self.job).set(count)
+
+    def heartbeat_age(self, rank: int, node: str, seconds: float) -> None:
+        self.heartbeat.labels(self.job, str(rank), node).set(seconds)
+
+    def forget_ranks(self) -> None:
+        """Drop every rank's heartbeat series (an attempt ended): a rank that is gone must not
+        keep showing its last age, and the next attempt may place it on another node."""
+        self.heartbeat.clear()
+
+    def diagnostics(self, node: str, check: str, ok: bool, seconds: float) -> None:
+        check = bounded(check, DIAGNOSTIC_CHECKS, "diagnostic check")
+        self.diag_ok.labels(self.job, node, check).set(1 if ok else 0)
+        self.diag_time.labels(self.job, node, check).set(seconds)
+
+    def group_init(self, phase: str, seconds: float) -> None:
+        self.group_init_time.labels(self.job, bounded(phase, INIT_PHASES, "init phase")).set(seconds)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *,
+              targets: Callable[[], list[dict]] | None = None) -> int:
+        """Serve /metrics (and /sd when `targets` is given: the job's http_sd target groups,
+        see discovery.target_groups); returns the bound port."""
+        self._server = ObservabilityServer(self.registry, targets=targets, host=host, port=port)
+        self.port = self._server.port
+        return self.port
+
+    @property
+    def server(self) -> ObservabilityServer | None:
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,244 @@
+"""deploy/: the Prometheus config and rules pass promtool (and the alerts fire when they
+should), the compose file and the KubeRay manifests hang together."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from longrun.observability import alerts
+from longrun.observability.grafana_model import DEFAULT_DATASOURCE_UID
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None,
+                                    reason="promtool not installed (Debian package prometheus)")
+
+
+def series(selector: str, values: str) -> dict:
+    return {"series": selector, "values": values}
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+@needs_promtool
+def test_promtool_accepts_the_prometheus_config(repo_root):
+    # Also loads and checks rules.yml, which the config references.
+    out = promtool("check", "config", str(repo_root / "deploy/prometheus/prometheus.yml"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
+
+
+@needs_promtool
+def test_promtool_accepts_the_rules(repo_root):
+    out = promtool("check", "rules", str(repo_root / "deploy/prometheus/rules.yml"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(alerts.RULES)} rules found" in out.stdout
+
+
+def _annotations(name: str, **values: str) -> dict:
+    """A rule's annotations with its templates expanded for `values` (job, rank, node, value)."""
+    rule = next(r for r in alerts.RULES if r.name == name)
+    out = {}
+    for key, text in rule.to_yaml_dict()["annotations"].items():
+        for var, value in values.items():
+            text = re.sub(r"\{\{ \$(labels\.)?" + var + r"( \| \w+)? \}\}", value, text)
+        assert "{{" not in text, text
+        out[key] = text
+    return out
+
+
+@needs_promtool
+def test_alerts_fire_when_they_should_and_only_then(repo_root, tmp_path):
+    """promtool's rule unit tests: synthetic series in, expected alerts out."""
+    running = series('longrun_job_state{job="a",longrun_job_state="RUNNING"}', "1x200")
+    tests = [
+        {  # a failed job alerts at once; a running one does not
+            "interval": "1m",
+            "input_series": [series('longrun_job_state{job="a",longrun_job_state="FAILED"}', "0 0 1"),
+                             series('longrun_job_state{job="b",longrun_job_state="FAILED"}', "0 0 0")],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": "LongrunJobFailed", "exp_alerts": []},
+                {"eval_time": "2m", "alertname": "LongrunJobFailed", "exp_alerts": [
+                    {"exp_labels": {"severity": "critical", "job": "a"},
+                     "exp_annotations": _annotations("LongrunJobFailed", job="a")}]},
+            ],
+        },
+        {  # a stale heartbeat alerts while RUNNING, after its `for`; not while RECOVERING
+            "interval": "1m",
+            "input_series": [
+                running,
+                series('longrun_heartbeat_age_seconds{job="a",rank="3",node="n1"}', "1 1 100x10"),
+                series('longrun_heartbeat_age_seconds{job="b",rank="0",node="n2"}', "100x10"),
+                series('longrun_job_state{job="b",longrun_job_state="RUNNING"}', "0x10"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": "LongrunHeartbeatStale", "exp_alerts": []},  # pending
+                {"eval_time": "4m", "alertname": "LongrunHeartbeatStale", "exp_alerts": [
+                    {"exp_labels": {"severity": "critical", "job": "a", "rank": "3", "node": "n1"},
+                     "exp_annotations": _annotations("LongrunHeartbeatStale", job="a", rank="3",
+                                                     value="1m 40s")}]},
+            ],
+        },
+        {  # one restart a minute is a storm: 30 in the last 30 minutes; one restart is not
+            "interval": "1m",
+            "input_series": [series('longrun_job_restarts_total{job="a",cause="dead"}', "0+1x60"),
+                             series('longrun_job_restarts_total{job="b",cause="dead"}', "0 1x60")],
+            "alert_rule_test": [{"eval_time": "40m", "alertname": "LongrunRestartStorm", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "job": "a"},
+                 "exp_annotations": _annotations("LongrunRestartStorm", job="a", value="30")}]}],
+        },
+        {  # MFU from 0.5 to 0.3 for 30 minutes alerts; a steady job does not
+            "interval": "1m",
+            "input_series": [running,
+                             series('longrun_train_mfu_ratio{job="a",rank="0"}', "0.5x150 0.3x30"),
+                             series('longrun_job_state{job="b",longrun_job_state="RUNNING"}', "1x200"),
+                             series('longrun_train_mfu_ratio{job="b",rank="0"}', "0.5x180")],
+            "alert_rule_test": [{"eval_time": "180m", "alertname": "LongrunMFUDrop", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "job": "a"},
+                 "exp_annotations": _annotations("LongrunMFUDrop", job="a", value="30%")}]}],
+        },
+        {  # last commit at t=0 (unix 0), job running: stale after an hour (+ 5 m `for`)
+            "interval": "1m",
+            "input_series": [running,
+                             series('longrun_checkpoint_last_commit_timestamp_seconds{job="a",rank="0"}',
+                                    "0x100")],
+            "alert_rule_test": [
+                {"eval_time": "62m", "alertname": "LongrunCheckpointStale", "exp_alerts": []},
+                {"eval_time": "70m", "alertname": "LongrunCheckpointStale", "exp_alerts": [
+                    {"exp_labels": {"severity": "warning", "job": "a"},
+                     "exp_annotations": _annotations("LongrunCheckpointStale", job="a", value="1h 10m 0s")}]},
+            ],
+        },
+    ]
+    spec = tmp_path / "alerts_test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(repo_root / "deploy/prometheus/rules.yml")],
+                                    "evaluation_interval": "1m", "tests": tests}, sort_keys=False))
+    out = promtool("test", "rules", str(spec))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_prometheus_config_discovers_through_the_controller(repo_root):
+    config = yaml.safe_load((repo_root / "deploy/prometheus/prometheus.yml").read_text())
+    assert config["rule_files"] == ["rules.yml"]
+    longrun = next(s for s in config["scrape_configs"] if s["job_name"] == "longrun")
+    assert longrun["honor_labels"] is True  # keeps the exposed `job` (see vocab.py)
+    (sd,) = longrun["http_sd_configs"]
+    assert sd["url"].endswith(":9400/sd")
+
+
+def _compose(repo_root) -> dict:
+    return yaml.safe_load((repo_root / "deploy/docker-compose.yml").read_text())
+
+
+def test_compose_file_wires_the_services(repo_root):
+    compose = _compose(repo_root)
+    services = compose["services"]
+    assert set(services) == {"redis", "ray-head", "ray-worker", "prometheus", "grafana"}
+    assert "${REDIS_PASSWORD:?" in services["redis"]["environment"]["REDIS_PASSWORD"]
+    assert "requirepass" in " ".join(services["redis"]["command"])
+    for name in ("ray-head", "ray-worker"):
+        s = services[name]
+        assert s["build"]["dockerfile"] == "deploy/Dockerfile" and s["image"] == "longrun:0.1.0"
+        assert s["environment"]["RAY_USAGE_STATS_ENABLED"] == "0"
+        assert "checkpoints:/checkpoints" in s["volumes"]
+    assert "--head" in services["ray-head"]["command"]
+    assert "--address=ray-head:6379" in services["ray-worker"]["command"]
+    sd_host = yaml.safe_load((repo_root / "deploy/prometheus/prometheus.yml").read_text())
+    assert "ray-head" in sd_host["scrape_configs"][0]["http_sd_configs"][0]["url"]
+    # Every bind mount names something that exists in deploy/, and published ports stay on loopback.
+    deploy = repo_root / "deploy"
+    for name, s in services.items():
+        for volume in s.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (deploy / source).exists(), (name, volume)
+        for port in s.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+    grafana_mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"])
+    provider = yaml.safe_load((deploy / "grafana/provisioning/dashboards/longrun.yml").read_text())
+    assert grafana_mounts["./grafana/dashboards"] == provider["providers"][0]["options"]["path"]
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (deploy / "grafana/dashboards" / Path(home).name).exists()
+
+
+def test_grafana_datasource_is_the_one_the_dashboards_default_to(repo_root):
+    provisioned = yaml.safe_load(
+        (repo_root / "deploy/grafana/provisioning/datasources/longrun.yml").read_text())["datasources"]
+    (ds,) = provisioned
+    assert ds["uid"] == DEFAULT_DATASOURCE_UID and ds["type"] == "prometheus"
+    assert ds["url"] == "http://prometheus:9090"
+
+
+def test_docker_compose_config_parses_if_docker_is_here(repo_root, tmp_path):
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("no docker client")
+    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"docker compose unavailable: {probe.stderr.strip() or probe.stdout.strip()}")
+    env = {"REDIS_PASSWORD": "test", "GRAFANA_ADMIN_PASSWORD": "test", "PATH": "/usr/bin:/bin:/usr/local/bin",
+           "HOME": str(tmp_path)}
+    argv = [docker, "compose", "-f", str(repo_root / "deploy/docker-compose.yml"), "config", "-q"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+
+
+def test_dockerfile_installs_cpu_torch_before_longrun(repo_root):
+    lines = [ln.strip() for ln in (repo_root / "deploy/Dockerfile").read_text().splitlines()]
+    assert next(ln for ln in lines if ln.startswith("FROM")) == "FROM python:3.11-slim"
+    torch_at = next(i for i, ln in enumerate(lines) if 'pip install "torch==${TORCH_VERSION}"' in ln)
+    project_at = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install ."))
+    assert torch_at < project_at
+    assert "ARG TORCH_VERSION=2.13.0" in lines
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in lines
+    # What the image copies must exist (the build context is the repository root).
+    for ln in lines:
+        if ln.startswith("COPY"):
+            for source in ln.split()[1:-1]:
+                assert (repo_root / source).exists(), ln
+
+
+def test_kuberay_manifests(repo_root):
+    cluster = yaml.safe_load((repo_root / "deploy/kuberay/raycluster.yaml").read_text())
+    job, configmap = yaml.safe_load_all((repo_root / "deploy/kuberay/rayjob.yaml").read_text())
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    import ray
+
+    assert cluster["spec"]["rayVersion"] == ray.__version__  # the ray the image installs
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["job-config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    ports = {p["containerPort"] for p in head["containers"][0]["ports"]}
+    assert 9400 in ports  # the controller's /sd, published through the head service
+
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["longrun", "run"]
+    config_path = argv[2]
+    assert config_path.startswith(mounts["job-config"] + "/")
+    assert Path(config_path).name in configmap["data"]
+    overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert "cluster.address=auto" in overrides
+
+
+def test_kuberay_job_config_is_valid_with_the_entrypoint_overrides(repo_root, tmp_path):
+    from longrun.config import load_config
+
+    job, configmap = yaml.safe_load_all((repo_root / "deploy/kuberay/rayjob.yaml").read_text())
+    argv = shlex.split(job["spec"]["entrypoint"])
+    path = tmp_path / "job.yaml"
+    path.write_text(configmap["data"][Path(argv[2]).name])
+    overrides = [argv[i + 1].replace("$LONGRUN_REDIS_URL", "redis://:pw@redis:6379/0")
+                 for i, a in enumerate(argv) if a == "--set"]
+    cfg = load_config(path, overrides)
+    assert cfg.cluster.address == "auto" and cfg.checkpoint_dir.startswith("/checkpoints/")
