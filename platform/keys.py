@@ -42,6 +42,12 @@ def job_restarts_key(job: str) -> str:
     return f"{job_prefix(job)}restarts"
 
 
+def job_skips_key(job: str) -> str:
+    """Step windows whose data the policy decided to skip (a set of "first-last"): every later
+    attempt skips all of them, whichever checkpoint it resumes from."""
+    return f"{job_prefix(job)}skips"
+
+
 def job_evicted_key(job: str) -> str:
     """Evicted Ray node ids -> why (a hash): never placed on again by this job."""
     return f"{job_prefix(job)}evicted"

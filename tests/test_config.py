@@ -169,3 +169,9 @@ def test_realistic_example_is_multi_node(repo_root):
     cfg = load_config(repo_root / "examples" / "llama-8b-64gpu.yaml")
     assert cfg.cluster.nodes > 1 and cfg.world_size == 64
     assert cfg.parallelism.tp == cfg.cluster.workers_per_node
+
+
+def test_a_fixed_metrics_port_with_several_workers_per_node_is_refused():
+    with pytest.raises(ConfigError, match=r"observability\.metrics_port"):
+        config_from_dict({"job": {"name": "m"}, "cluster": {"workers_per_node": 2},
+                          "parallelism": {"dp": 2}, "observability": {"metrics_port": 9100}})

@@ -84,7 +84,7 @@ class Launcher:
         self.groups: list[FakeGroup] = []
         self.failures: dict[int, Exception] = {}
         self.diagnostics: dict[int, dict[int, str]] = {}
-        self.skips: list[tuple[int, int] | None] = []
+        self.skips: list[list[tuple[int, int]]] = []
         self.warmed: list[int] = []  # attempts whose spares were asked for
         self.released = 0
 
@@ -94,7 +94,7 @@ class Launcher:
     def release(self) -> None:
         self.released += 1
 
-    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=None):
+    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=()):
         self.calls.append({"attempt": attempt, "evicted": set(evicted), "resume_before": resume_before_step})
         self.skips.append(skip_steps)
         if attempt in self.failures:
@@ -368,13 +368,20 @@ def test_a_spike_that_returns_at_the_same_data_is_skipped_on_the_next_attempt(ri
     assert c.machine.state is JobState.RECOVERING
     for _ in range(3):
         c.step()
-    assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] is None  # retry the data once
+    assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] == []  # retry the data once
     c.step()
     train_to_spike(1, 9)  # resumed from the checkpoint of step 8: the spike comes back at step 12
     assert c.machine.state is JobState.RECOVERING
     for _ in range(3):
         c.step()
-    assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] == (12, 12)
+    assert launcher.calls[-1]["resume_before"] == 12 and launcher.skips[-1] == [(12, 12)]
+    # A later, unrelated restart still skips it, whichever checkpoint it resumes from.
+    c.step()
+    launcher.groups[-1].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
+    c.step()
+    for _ in range(3):
+        c.step()
+    assert launcher.calls[-1]["attempt"] == 3 and launcher.skips[-1] == [(12, 12)]
 
 
 def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):

@@ -233,3 +233,15 @@ def test_a_finished_rank_is_not_judged_when_its_heartbeat_expires():
     monitor.finished(0)
     faults = monitor.observe({0: None, 1: None}, now=2.0)  # both keys gone; only rank 1 is dead
     assert [(f.kind, f.rank) for f in faults] == [("dead", 1)]
+
+
+def test_loss_history_survives_a_long_rollback():
+    """A resume far behind the last step seen (a long checkpoint interval) judges the first
+    steps after it against the steps before the checkpoint, not against the old attempt's."""
+    health = HealthSection(loss_spike_factor=10.0)
+    first = HealthMonitor(1, health, started_at=0.0)
+    for step in range(1, 1001):
+        first.observe({0: Heartbeat(rank=0, step=step, phase="forward", loss=2.0)}, float(step))
+    second = HealthMonitor(1, health, started_at=0.0, loss_history=first.loss_history)
+    faults = second.observe({0: Heartbeat(rank=0, step=901, phase="forward", loss=50.0)}, 1.0)
+    assert [f.kind for f in faults] == ["loss_spike"] and faults[0].step == 901

@@ -75,8 +75,9 @@ def test_alerts_fire_when_they_should_and_only_then(repo_root, tmp_path):
             "interval": "1m",
             "input_series": [
                 running,
-                series('longrun_heartbeat_age_seconds{job="a",rank="3",node="n1"}', "1 1 100x10"),
-                series('longrun_heartbeat_age_seconds{job="b",rank="0",node="n2"}', "100x10"),
+                # rank 3 of a beat at 0 s and 60 s, then never again (the series stays)
+                series('longrun_heartbeat_timestamp_seconds{job="a",rank="3",node="n1"}', "0 60x10"),
+                series('longrun_heartbeat_timestamp_seconds{job="b",rank="0",node="n2"}', "0x10"),
                 series('longrun_job_state{job="b",longrun_job_state="RUNNING"}', "0x10"),
             ],
             "alert_rule_test": [
@@ -84,7 +85,7 @@ def test_alerts_fire_when_they_should_and_only_then(repo_root, tmp_path):
                 {"eval_time": "4m", "alertname": "LongrunHeartbeatStale", "exp_alerts": [
                     {"exp_labels": {"severity": "critical", "job": "a", "rank": "3", "node": "n1"},
                      "exp_annotations": _annotations("LongrunHeartbeatStale", job="a", rank="3",
-                                                     value="1m 40s")}]},
+                                                     value="3m 0s")}]},
             ],
         },
         {  # one restart a minute is a storm: 30 in the last 30 minutes; one restart is not

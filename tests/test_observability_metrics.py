@@ -51,6 +51,7 @@ CONTROLLER_FAMILIES = {
     "longrun_recovery_duration_seconds": ("histogram", set()),
     "longrun_job_evicted_nodes": ("gauge", set()),
     "longrun_heartbeat_age_seconds": ("gauge", {"rank", "node"}),
+    "longrun_heartbeat_timestamp_seconds": ("gauge", {"rank", "node"}),
     "longrun_diagnostics_ok": ("gauge", {"node", "check"}),
     "longrun_diagnostics_duration_seconds": ("gauge", {"node", "check"}),
     "longrun_group_init_seconds": ("gauge", {"phase"}),
@@ -194,10 +195,12 @@ def test_forget_ranks_removes_the_heartbeat_series():
     c = ControllerMetrics("demo")
     c.heartbeat_age(0, "node-a", 0.5)
     c.heartbeat_age(1, "node-b", 0.7)
-    c.heartbeat_age(1, "node-b", 0.9)  # the same series, updated
+    c.heartbeat_age(1, "node-b", 0.9, sent_at=1000.0)  # the same series, updated
     samples = families(c.registry)["longrun_heartbeat_age_seconds"].samples
     assert {(dict(s.labels)["rank"], s.value) for s in samples} == {("0", 0.5), ("1", 0.9)}
+    assert families(c.registry)["longrun_heartbeat_timestamp_seconds"].samples[0].value == 1000.0
     c.forget_ranks()
+    assert not families(c.registry)["longrun_heartbeat_timestamp_seconds"].samples
     assert "longrun_heartbeat_age_seconds" not in families(c.registry) or \
         not families(c.registry)["longrun_heartbeat_age_seconds"].samples
     c.heartbeat_age(2, "node-c", 0.1)  # the next attempt reports again

@@ -48,7 +48,7 @@ def feed_controller(c: ControllerMetrics) -> None:
     c.detection(3.0)
     c.recovery(20.0)
     for rank in range(2):
-        c.heartbeat_age(rank, f"node-{rank}", 0.5)
+        c.heartbeat_age(rank, f"node-{rank}", 0.5, sent_at=time.time())
     c.diagnostics("node-0", "compute", True, 0.2)
     c.group_init("total", 0.8)
 
@@ -118,7 +118,8 @@ def test_alert_rules_load_and_fire_on_the_real_server(prom, job):
     groups = prom.rule_groups()
     assert [r["name"] for g in groups for r in g["rules"]] == [r.name for r in alerts.RULES]
     controller = job.controller
-    controller.heartbeat_age(1, "node-1", 120.0)  # stale, while RUNNING: pending for its `for: 1m`
+    # rank 1's newest beat is two minutes old, while RUNNING: pending for its `for: 1m`
+    controller.heartbeat_age(1, "node-1", 120.0, sent_at=time.time() - 120.0)
     pending = prom.wait_for('ALERTS{alertname="LongrunHeartbeatStale"}')
     assert pending["result"][0]["metric"]["alertstate"] == "pending"
     assert pending["result"][0]["metric"]["rank"] == "1"

@@ -90,6 +90,13 @@ def cross_section_problems(cfg: JobConfig) -> list[tuple[str, str]]:
             f"tensor parallelism stays inside a node, so tp ({par.tp}) must divide "
             f"cluster.workers_per_node ({cl.workers_per_node})",
         ))
+    if cfg.observability.metrics_port and cl.workers_per_node > 1:
+        problems.append((
+            "observability.metrics_port",
+            f"{cl.workers_per_node} workers share a node and cannot all bind port "
+            f"{cfg.observability.metrics_port}; leave it 0 (each worker takes a free port and "
+            "the controller's /sd lists them)",
+        ))
     if par.dynamic_cp and par.cp & (par.cp - 1):
         problems.append((
             "parallelism.cp",

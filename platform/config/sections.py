@@ -251,5 +251,8 @@ class ObservabilitySection(Section):
         0, description="The controller's /metrics and /sd (Prometheus http_sd) port; 0 picks a free one.")
     file_sd_path: str | None = Field(
         None, description="Also write the scrape targets to this Prometheus file_sd JSON file.")
+    linger_s: NonNegativeFloat = Field(
+        30.0, description="After the job ends FAILED, how long the controller keeps serving /metrics "
+        "(if anything scraped it) so Prometheus records the final state and the alert fires.")
     grafana_url: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -37,7 +37,7 @@ from longrun.config import JobConfig
 from longrun.controller.job_state import JobRecordStore
 from longrun.controller.placement import PlacementImpossible, PlacementTimeout
 from longrun.controller.state import JobState, JobStateMachine
-from longrun.controller.workers import Launcher, RankEnded, RayLauncher, WorkerGroup
+from longrun.controller.workers import Launcher, LaunchFailed, RankEnded, RayLauncher, WorkerGroup
 from longrun.health.heartbeat import Heartbeat, read_heartbeats
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
@@ -55,6 +55,10 @@ class JobFailed(RuntimeError):
     """The job ended in FAILED; the message is the reason an operator reads."""
 
 
+class StoreUnavailable(RuntimeError):
+    """Redis stayed unreachable past health.store_patience_s: the job record cannot be kept."""
+
+
 class Controller:
     def __init__(self, cfg: JobConfig, redis_url: str, *, poll_s: float | None = None,
                  on_event: Callable[[str], None] | None = None, placement_timeout_s: float = 120.0,
@@ -66,6 +70,7 @@ class Controller:
         self.client = patient_client(redis_url, cfg.health.store_patience_s)  # the record path
         self.watch_client = quick_client(redis_url)  # heartbeats: a miss is retried next poll
         self.record = JobRecordStore(self.client, cfg.job.name)
+        self.progress_record = JobRecordStore(self.watch_client, cfg.job.name)  # best effort, every poll
         self.machine = JobStateMachine()
         self.poll_s = poll_s or cfg.health.heartbeat_interval_s
         self.placement_timeout_s = placement_timeout_s
@@ -80,7 +85,6 @@ class Controller:
         self.summary: dict[str, Any] | None = None  # set on SUCCEEDED
         self.failure: str | None = None  # set on FAILED
         self._resume_before: int | None = None
-        self._skip_steps: tuple[int, int] | None = None  # a data window the next attempt skips
         self._backoff_s = 0.0
         self._held: list[Incident] = []  # exceptions waiting for their cause to show itself
         self._settle_until: float | None = None
@@ -112,7 +116,18 @@ class Controller:
 
     def _targets_changed(self) -> None:
         if self.cfg.observability.file_sd_path:
-            write_file_sd(self.cfg.observability.file_sd_path, self.targets())
+            try:
+                write_file_sd(self.cfg.observability.file_sd_path, self.targets())
+            except OSError as exc:  # discovery is for operators; it must not stop the job
+                log.warning("file_sd %s not written: %s", self.cfg.observability.file_sd_path, exc)
+
+    def _linger(self) -> None:
+        """A FAILED job keeps /metrics up a little (if anything scrapes it), so Prometheus
+        records the final state and the job-failed alert can fire."""
+        server, linger = self.metrics.server, self.cfg.observability.linger_s
+        if server is not None and server.scrapes and linger:
+            self.on_event(f"metrics: serving the final state for {linger:g} s more")
+            self.sleep(linger)
 
     def _event(self, kind: str, message: str, **extra: Any) -> None:
         self.record.event(kind, self.attempt_number, message, **extra)
@@ -131,16 +146,30 @@ class Controller:
         try:
             while not self.machine.state.terminal:
                 self.step()
+            if self.machine.state is JobState.FAILED:
+                self._linger()
         except KeyboardInterrupt:
             self._stop_group()
             self._move(JobState.STOPPED, "interrupted by the user")
             raise
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"Redis stayed unreachable for more than health.store_patience_s "
+                f"({self.cfg.health.store_patience_s:g} s), so the job record could not be written "
+                f"({type(exc).__name__}: {exc}). Start the controller again with the same job name "
+                "once Redis is back: it continues from the record and the newest checkpoint.") from exc
         finally:
-            self._stop_group()  # an unexpected error must not leave actors holding the cluster
-            self.launch.release()
-            self.client.close()
-            self.watch_client.close()
-            self.metrics.close()
+            # Each release runs even if one before it fails: actors or a placement group left
+            # behind would hold the cluster.
+            try:
+                self._stop_group()
+            finally:
+                try:
+                    self.launch.release()
+                finally:
+                    self.client.close()
+                    self.watch_client.close()
+                    self.metrics.close()
         if self.machine.state is JobState.FAILED:
             raise JobFailed(self.failure)
         assert self.summary is not None
@@ -172,11 +201,11 @@ class Controller:
         try:
             self.group = self.launch(self.cfg, attempt=self.attempt_number, redis_url=self.redis_url,
                                      evicted=self.record.evicted(), timeout_s=self.placement_timeout_s,
-                                     resume_before_step=self._resume_before, skip_steps=self._skip_steps)
+                                     resume_before_step=self._resume_before, skip_steps=self.record.skips())
         except PlacementImpossible as exc:
             self._fail(str(exc))
             return
-        except PlacementTimeout as exc:
+        except (PlacementTimeout, LaunchFailed) as exc:
             self._handle(self._decide([Incident(kind="exception", rank=None, node=None, step=None,
                                                 at=self.wall(), detail=str(exc))], {}))
             return
@@ -216,14 +245,14 @@ class Controller:
         if not incidents:
             self._succeed()
             return
-        self._declared_at = self.wall()
+        declared = self.wall()
         for incident in incidents:
             self.metrics.fault(incident.kind)
             self._event("fault", incident.detail, fault=incident.kind, rank=incident.rank,
                         node=incident.node, step=incident.step)
         seen = [self._last_beat_at[i.rank] for i in incidents if i.rank in self._last_beat_at]
         if seen:  # from the last sign of life of a rank at fault: an upper bound on detection
-            self.metrics.detection(max(0.0, self._declared_at - min(seen)))
+            self.metrics.detection(max(0.0, declared - min(seen)))
         decision = self._decide(incidents, {})
         if decision.action is Action.CONTINUE:
             self._event("decision", decision.reason)  # reported; keep watching this attempt
@@ -317,7 +346,7 @@ class Controller:
         for b in live:
             node = self.group.node_of(b.rank)
             self._last_beat_at[b.rank] = b.sent_at
-            self.metrics.heartbeat_age(b.rank, node, max(0.0, wall - b.sent_at))
+            self.metrics.heartbeat_age(b.rank, node, max(0.0, wall - b.sent_at), sent_at=b.sent_at)
             if b.metrics_addr:
                 endpoints[b.rank] = (b.metrics_addr, node)
         if endpoints != self._endpoints:
@@ -325,7 +354,7 @@ class Controller:
             self._targets_changed()
         self.metrics.set_step(min(b.step for b in live), self.cfg.training.steps)
         try:
-            self.record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
+            self.progress_record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
         except (redis.RedisError, OSError) as exc:  # progress is refreshed next poll; not worth a stall
             log.warning("job record progress not written: %s", exc)
         if self._trained or not self._first_step_done(live):
@@ -359,9 +388,9 @@ class Controller:
         self.metrics.restart(restart.cause)
         self.metrics.set_evicted(len(self.record.evicted()))
         self._resume_before, self._backoff_s = decision.resume_before_step, decision.backoff_s
-        self._skip_steps = decision.skip_steps
-        if self._declared_at is None:  # diagnostics or placement: the fault is declared now
-            self._declared_at = self.wall()
+        if decision.skip_steps is not None:  # kept for every later attempt, in the job record
+            self.record.add_skip(*decision.skip_steps)
+        self._declared_at = self.wall()  # recovery is timed from here to the next first step
         self._move(JobState.RECOVERING, decision.reason)
 
     def _fail(self, reason: str) -> None:

@@ -24,6 +24,10 @@ def check_supported(cfg: JobConfig) -> None:
         raise UnsupportedJob(
             f"the trainer has no tensor or pipeline parallelism yet; the config asks for tp {par.tp}, "
             f"pp {par.pp}. Set both to 1 (data and context parallelism are supported).")
+    if par.dynamic_cp and cfg.world_size < 2:
+        raise UnsupportedJob(
+            "dynamic context parallelism splits sequences across workers; a one-worker job has "
+            "nothing to split. Set parallelism.dynamic_cp to false or add workers.")
     if (par.cp > 1 or par.dynamic_cp) and par.cp_impl != "ring":
         raise UnsupportedJob(
             f"a controller job runs context parallelism with ring attention; cp_impl {par.cp_impl!r} "

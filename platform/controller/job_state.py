@@ -37,6 +37,7 @@ class JobRecordStore:
         self.events_key = keys.job_events_key(job)
         self.restarts_key = keys.job_restarts_key(job)
         self.evicted_key = keys.job_evicted_key(job)
+        self.skips_key = keys.job_skips_key(job)
 
     def record_transition(self, move: Transition, attempt: int) -> None:
         event = {"type": "transition", "from": move.source, "to": move.target,
@@ -84,6 +85,14 @@ class JobRecordStore:
     def restarts(self) -> list[dict[str, Any]]:
         return [json.loads(item) for item in self.client.lrange(self.restarts_key, 0, -1)]
 
+    def add_skip(self, first: int, last: int) -> None:
+        self.client.sadd(self.skips_key, f"{first}-{last}")
+
+    def skips(self) -> list[tuple[int, int]]:
+        """Every data window skipped so far, in step order."""
+        return sorted(tuple(int(x) for x in item.decode().split("-")) for item in
+                      self.client.smembers(self.skips_key))
+
     def evict(self, node: str, reason: str) -> None:
         self.client.hset(self.evicted_key, node, reason)
 
@@ -92,7 +101,8 @@ class JobRecordStore:
 
     def reset(self) -> None:
         """Forget a finished job's history, so its name can be reused from scratch."""
-        self.client.delete(self.record_key, self.events_key, self.restarts_key, self.evicted_key)
+        self.client.delete(self.record_key, self.events_key, self.restarts_key, self.evicted_key,
+                           self.skips_key)
 
     def events(self, last: int = 50) -> list[dict]:
         return [json.loads(item) for item in self.client.lrange(self.events_key, -last, -1)]

@@ -54,14 +54,14 @@ class TrainWorker:
 
     def assume(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
                node_ids: list[str] | None = None, resume_before_step: int | None = None,
-               skip_steps: tuple[int, int] | None = None) -> None:
+               skip_steps: list[tuple[int, int]] | None = None) -> None:
         self.cfg = JobConfig.model_validate(config)
         self.rank = rank
         self.attempt = attempt
         self.redis_url = redis_url
         self.node_ids = node_ids or ["local"]
         self.resume_before_step = resume_before_step
-        self.skip_steps = skip_steps  # [first, last]: data the policy decided not to train on
+        self.skip_steps = [tuple(w) for w in skip_steps or ()]  # [first, last] windows not to train on
 
     def node_id(self) -> str:
         import ray
@@ -109,9 +109,6 @@ class TrainWorker:
         node = self.node_ids[self.rank // cfg.cluster.workers_per_node]
         metrics = WorkerMetrics(cfg.job.name, self.rank, attempt=self.attempt, node=node)
         obs = cfg.observability
-        self.metrics_port = metrics.serve(obs.metrics_host, obs.metrics_port)
-        # Published in the heartbeat: the controller turns it into Prometheus scrape targets.
-        beat.update(phase="setup", metrics_addr=advertised_address(obs.metrics_host, self.metrics_port))
         last = None
         groups = None
 
@@ -135,6 +132,9 @@ class TrainWorker:
 
         resumed_from = 0
         try:
+            self.metrics_port = metrics.serve(obs.metrics_host, obs.metrics_port)
+            # Published in the heartbeat: the controller turns it into Prometheus scrape targets.
+            beat.update(phase="setup", metrics_addr=advertised_address(obs.metrics_host, self.metrics_port))
             if cfg.world_size > 1:
                 beat.update(phase="rendezvous")
                 groups = self._join_groups()
@@ -156,12 +156,12 @@ class TrainWorker:
                     beat.update(step=restored.step, resumed_from=restored.step)
                     if self.rank == 0:
                         print(f"resumed from the checkpoint of step {restored.step}", flush=True)
-                if self.skip_steps is not None:
-                    first, last_skipped = self.skip_steps
-                    trainer.skip_steps = frozenset(range(first, last_skipped + 1))
+                if self.skip_steps:
+                    trainer.skip_steps = frozenset(s for first, last_skipped in self.skip_steps
+                                                   for s in range(first, last_skipped + 1))
                     if self.rank == 0:
-                        print(f"skipping the data of steps {first}-{last_skipped} (repeated loss spikes)",
-                              flush=True)
+                        windows = ", ".join(f"{a}-{b}" for a, b in self.skip_steps)
+                        print(f"skipping the data of steps {windows} (repeated loss spikes)", flush=True)
                 trainer.before_update.append(ckpt.before_update)
                 saves = ckpt.saves
 

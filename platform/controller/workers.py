@@ -12,7 +12,7 @@ finished (its summary), `nan` (NonFiniteError), `exception` (any other error it 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,13 +52,17 @@ class WorkerGroup(Protocol):
     def stop(self) -> None: ...
 
 
+class LaunchFailed(RuntimeError):
+    """The attempt's workers could not be started (an actor died or did not answer)."""
+
+
 class Launcher(Protocol):
     """Places and starts one attempt's group; raises PlacementImpossible / PlacementTimeout.
     Between attempts it may keep what helps the next one start fast (see RayLauncher)."""
 
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
-                 skip_steps: tuple[int, int] | None = None) -> WorkerGroup: ...
+                 skip_steps: Sequence[tuple[int, int]] = ()) -> WorkerGroup: ...
     def warm_spares(self) -> None: ...
     def release(self) -> None: ...
 
@@ -86,7 +90,23 @@ class RayWorkerGroup:
         return self.placement.node_of(rank)
 
     def diagnose(self, timeout_s: float) -> list[dict[str, Any]]:
-        return ray.get([a.diagnose.remote() for a in self.actors], timeout=timeout_s)
+        """Every rank's self-check report. A rank whose check raised, died or did not answer
+        within `timeout_s` fails it: that is what the checks are for (a hung GPU, a bad host)."""
+        refs = {a.diagnose.remote(): rank for rank, a in enumerate(self.actors)}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        reports: dict[int, dict[str, Any]] = {}
+        for ref in done:
+            try:
+                reports[refs[ref]] = ray.get(ref)
+            except RayError as exc:
+                why = f"the self-check failed: {_last_line(exc)[:200]}"
+                reports[refs[ref]] = self._failed_check(refs[ref], why)
+        for rank in set(refs.values()) - set(reports):
+            reports[rank] = self._failed_check(rank, f"the self-check did not answer within {timeout_s:g} s")
+        return [reports[rank] for rank in sorted(reports)]
+
+    def _failed_check(self, rank: int, reason: str) -> dict[str, Any]:
+        return {"node": self.node_of(rank), "rank": rank, "ok": False, "reason": reason, "checks": []}
 
     def start(self) -> None:
         self._runs = {a.run.remote(): rank for rank, a in enumerate(self.actors)}
@@ -101,10 +121,18 @@ class RayWorkerGroup:
         done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=timeout_s)
         return [_outcome(ref, self._runs.pop(ref)) for ref in done]
 
-    def stop(self) -> None:
+    def stop(self, confirm_timeout_s: float = 30.0) -> None:
+        """Kill the actors and wait until Ray reports them dead: a spare taking a rank's place
+        shares its bundle (and on a GPU its device), so the old process must have let go of
+        that memory before the new one allocates."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self._runs.clear()
+        pings = [a.node_id.remote() for a in self.actors]  # fail once the actor is gone
+        done, _ = ray.wait(pings, num_returns=len(pings), timeout=confirm_timeout_s)
+        if len(done) < len(pings):
+            log.warning("%d killed worker(s) not confirmed dead after %g s", len(pings) - len(done),
+                        confirm_timeout_s)
 
 
 class RayLauncher:
@@ -128,7 +156,7 @@ class RayLauncher:
 
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
-                 skip_steps: tuple[int, int] | None = None) -> RayWorkerGroup:
+                 skip_steps: Sequence[tuple[int, int]] = ()) -> RayWorkerGroup:
         if self.placement is not None and not self._reusable(set(evicted)):
             self.release()
         if self.placement is None:
@@ -138,9 +166,16 @@ class RayLauncher:
         actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
                                          for rank in range(cfg.world_size)]
         config = cfg.model_dump(mode="json")
-        ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
-                                 resume_before_step, skip_steps) for rank, a in enumerate(actors)],
-                timeout=timeout_s)
+        try:
+            ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
+                                     resume_before_step, list(skip_steps)) for rank, a in enumerate(actors)],
+                    timeout=timeout_s)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            # A spare that died after warming, or a worker that never came up: start over clean.
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            self.release()
+            raise LaunchFailed(f"attempt {attempt}'s workers did not start: {_last_line(exc)[:300]}") from exc
         return RayWorkerGroup(self.placement, actors)
 
     def warm_spares(self) -> None:

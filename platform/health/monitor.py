@@ -29,6 +29,9 @@ SLOW_PHASES = frozenset({"setup", "restore", "checkpoint", "starting", "rendezvo
 STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
 MIN_ADVANCES_TO_LEARN = 2  # step advances seen before the learned timeout replaces the ceiling
 LOSS_WINDOW = 32  # recent distinct-step losses a new loss is compared against
+# Steps of loss history kept (and handed to the next attempt): a resume goes back up to one
+# checkpoint interval, and the steps before it must still be there to judge against.
+LOSS_HISTORY = 4096
 MIN_LOSSES_TO_JUDGE = 8  # with fewer, the median of "recent losses" is mostly warm-up noise
 MIN_RANKS_FOR_STRAGGLERS = 3  # with two step times the median is their mean: no outlier to find
 
@@ -312,7 +315,11 @@ class HealthMonitor:
         if beat is None or beat.step == self._last_loss_step:
             return []  # each distinct step is judged (and enters the window) once
         self._last_loss_step = beat.step
-        window = [self._losses[k] for k in sorted(k for k in self._losses if k < beat.step)[-LOSS_WINDOW:]]
+        if any(step >= beat.step for step in self._losses):
+            # Resumed from a checkpoint: the steps from here on are being trained again; the
+            # previous attempt's values for them are not history any more.
+            self._losses = {k: v for k, v in self._losses.items() if k < beat.step}
+        window = [self._losses[k] for k in sorted(self._losses)[-LOSS_WINDOW:]]
         if len(window) >= MIN_LOSSES_TO_JUDGE:
             median = statistics.median(window)
             factor = self.health.loss_spike_factor
@@ -325,7 +332,7 @@ class HealthMonitor:
                               f"loss {beat.loss:.4g} at step {beat.step} is {beat.loss / median:.1f}x the "
                               f"median {median:.4g} of the last {len(window)} steps (limit {factor}x)")]
         self._losses[beat.step] = beat.loss
-        if len(self._losses) > 2 * LOSS_WINDOW:  # keep it bounded: only recent steps matter
-            for step in sorted(self._losses)[:-LOSS_WINDOW]:
+        if len(self._losses) > LOSS_HISTORY:  # bounded, yet longer than a checkpoint interval
+            for step in sorted(self._losses)[:-LOSS_HISTORY // 2]:
                 del self._losses[step]
         return []

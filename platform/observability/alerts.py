@@ -52,7 +52,7 @@ class AlertRule:
 
 def _rules() -> tuple[AlertRule, ...]:
     failed = 'max by (job) (longrun_job_state{longrun_job_state="FAILED"})'
-    heartbeat = "max by (job, rank, node) (longrun_heartbeat_age_seconds)"
+    heartbeat = "time() - max by (job, rank, node) (longrun_heartbeat_timestamp_seconds)"
     restarts = "sum by (job) (increase(longrun_job_restarts_total[30m]))"
     mfu_now = "avg by (job) (avg_over_time(longrun_train_mfu_ratio[10m]))"
     mfu_before = "avg by (job) (avg_over_time(longrun_train_mfu_ratio[2h] offset 10m))"

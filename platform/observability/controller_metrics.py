@@ -63,6 +63,12 @@ class ControllerMetrics:
         self.evicted = Gauge("longrun_job_evicted_nodes", "Nodes evicted from the job.", labels, registry=r)
         self.heartbeat = Gauge("longrun_heartbeat_age_seconds", "Age of each rank's newest heartbeat.",
                                (*labels, "rank", "node"), registry=r)
+        # The send time itself: `time() - ...` keeps growing at query time even when nothing
+        # updates the series any more (a dead rank's key expired, a wedged controller), which
+        # an age computed here cannot do.
+        self.heartbeat_at = Gauge("longrun_heartbeat_timestamp_seconds",
+                                  "Send time (Unix seconds) of each rank's newest heartbeat.",
+                                  (*labels, "rank", "node"), registry=r)
         self.diag_ok = Gauge("longrun_diagnostics_ok", "Last diagnostic result per node and check (1 = ok).",
                              (*labels, "node", "check"), registry=r)
         self.diag_time = Gauge("longrun_diagnostics_duration_seconds",
@@ -111,13 +117,16 @@ class ControllerMetrics:
     def set_evicted(self, count: int) -> None:
         self.evicted.labels(self.job).set(count)
 
-    def heartbeat_age(self, rank: int, node: str, seconds: float) -> None:
+    def heartbeat_age(self, rank: int, node: str, seconds: float, sent_at: float | None = None) -> None:
         self.heartbeat.labels(self.job, str(rank), node).set(seconds)
+        if sent_at is not None:
+            self.heartbeat_at.labels(self.job, str(rank), node).set(sent_at)
 
     def forget_ranks(self) -> None:
         """Drop every rank's heartbeat series (an attempt ended): a rank that is gone must not
         keep showing its last age, and the next attempt may place it on another node."""
         self.heartbeat.clear()
+        self.heartbeat_at.clear()
 
     def diagnostics(self, node: str, check: str, ok: bool, seconds: float) -> None:
         check = bounded(check, DIAGNOSTIC_CHECKS, "diagnostic check")

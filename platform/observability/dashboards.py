@@ -133,7 +133,8 @@ def overview() -> Dashboard:
                   description="Mean over the time range: from a fault to its detection, and from detection "
                               "to training again. No value: no fault in the range."),
             Panel("Heartbeat age by rank",
-                  (Target(f"max by (rank, node) ({sel('longrun_heartbeat_age_seconds', rank=True)})",
+                  (Target(f"time() - max by (rank, node) "
+                          f"({sel('longrun_heartbeat_timestamp_seconds', rank=True)})",
                           "rank {{rank}} ({{node}})"),),
                   unit="s", width=24, thresholds=((None, "green"), (30, "red")),
                   description="Seconds since each rank's newest heartbeat, as the controller sees it. Beats "

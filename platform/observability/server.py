@@ -30,7 +30,9 @@ SD_CONTENT_TYPE = "application/json"
 class ObservabilityServer:
     def __init__(self, registry: CollectorRegistry, targets: Callable[[], list[dict]] | None = None,
                  host: str = "127.0.0.1", port: int = 0):
-        handler = type("_Handler", (_Handler,), {"registry": registry, "targets": staticmethod(targets)})
+        handler = type("_Handler", (_Handler,), {"registry": registry, "targets": staticmethod(targets),
+                                                 "owner": self})
+        self.scrapes = 0  # /metrics requests served: has anything ever scraped us?
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         self.host = host
@@ -65,12 +67,14 @@ class ObservabilityServer:
 class _Handler(BaseHTTPRequestHandler):
     registry: CollectorRegistry
     targets: Callable[[], list[dict]] | None
+    owner: ObservabilityServer
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
             self._reply(200, content_type, encoder(self.registry))
+            self.owner.scrapes += 1
         elif path == "/sd" and self.targets is not None:
             try:
                 body = json.dumps(self.targets(), sort_keys=True).encode()

@@ -36,7 +36,9 @@ def retries_for(patience_s: float, base_s: float = BACKOFF_BASE_S, cap_s: float 
 def patient_client(url: str, patience_s: float) -> redis.Redis:
     """A client whose commands retry connection errors for about `patience_s` seconds."""
     retry = Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries_for(patience_s))
-    return redis.Redis.from_url(url, retry=retry, socket_connect_timeout=2.0,
+    # A socket timeout too: a half-open connection (a partition, a frozen server) must turn
+    # into a retried error, not a call blocked forever.
+    return redis.Redis.from_url(url, retry=retry, socket_connect_timeout=1.0, socket_timeout=10.0,
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
