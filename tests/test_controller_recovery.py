@@ -160,7 +160,12 @@ def test_a_removed_node_is_replaced_by_the_spare(cluster, reference, redis_serve
     victim = json.loads(JobRecordStore(redis_client, cfg.job.name).read().fields["nodes"])[0]
     node = next(n for n in cluster.list_all_nodes() if n.node_id == victim)
     cluster.remove_node(node)
-    thread.join(600)
+    try:
+        thread.join(600)
+    finally:
+        # Leave the module's cluster as it was found: 3 worker nodes (the chaos run may evict one).
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
     assert not thread.is_alive()
     assert result["step"] == STEPS and result["restarts"] >= 1
     final_nodes = json.loads(JobRecordStore(redis_client, cfg.job.name).read().fields["nodes"])
@@ -242,7 +247,10 @@ def test_chaos_random_faults_until_the_end_lose_nothing(cluster, reference, redi
     faults = chaos_faults(seed, count)
     replay = f"replay with LONGRUN_CHAOS_SEED={seed}: {faults}"
     cfg = job("chaos", tmp_path, faults=faults, max_restarts=count, max_restarts_in_window=count)
-    summary = Controller(cfg, redis_server.url).run()
+    try:
+        summary = Controller(cfg, redis_server.url).run()
+    except JobFailed as exc:
+        raise AssertionError(f"{exc}; {replay}") from exc
     assert summary["step"] == STEPS, replay
     assert summary["restarts"] == count and summary["attempt"] == count, replay
     _assert_same_weights(final_weights(cfg), reference)
