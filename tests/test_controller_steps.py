@@ -409,3 +409,32 @@ def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):
     assert value("longrun_heartbeat_age_seconds", age) is None
     c.step()
     assert value("longrun_job_attempt", {"job": cfg.job.name}) == 1
+
+
+def test_workers_that_do_not_start_are_a_restart_not_a_crash(rig):
+    from longrun.controller.workers import LaunchFailed
+
+    make, launcher, *_ = rig
+    launcher.failures[0] = LaunchFailed("attempt 0's workers did not start: ActorDiedError")
+    c = make(job("steps-launch"))
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.RECOVERING
+    assert c.step() is JobState.PLACING and c.attempt_number == 1
+    assert c.step() is JobState.DIAGNOSING
+
+
+def test_redis_gone_past_the_patience_is_a_clear_error(tmp_path):
+    from longrun.config import config_from_dict
+    from longrun.controller.controller import StoreUnavailable
+    from longrun.services import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    cfg = config_from_dict({"job": {"name": "steps-no-redis"}, "parallelism": {"dp": 1},
+                            "health": {"store_patience_s": 0.3}})
+    clock = Clock()
+    c = Controller(cfg, server.url, launch=Launcher(clock), clock=clock, sleep=lambda s: None,
+                   serve_metrics=False)
+    assert c.step() is JobState.PLACING
+    server.stop()  # and it does not come back
+    with pytest.raises(StoreUnavailable, match="store_patience_s .* Start the controller again"):
+        c.run()
