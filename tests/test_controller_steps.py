@@ -436,5 +436,5 @@ def test_redis_gone_past_the_patience_is_a_clear_error(tmp_path):
                    serve_metrics=False)
     assert c.step() is JobState.PLACING
     server.stop()  # and it does not come back
-    with pytest.raises(StoreUnavailable, match="store_patience_s .* Start the controller again"):
+    with pytest.raises(StoreUnavailable, match=r"store_patience_s .* Start the controller again"):
         c.run()
