@@ -97,6 +97,29 @@ def test_slow_fault_delays_every_later_step():
     assert injector.slow_s == 0.05 and time.monotonic() - start >= 0.05  # sleep is a lower bound
 
 
+def test_hold_fault_waits_in_phase_held_until_its_release_file_exists(tmp_path):
+    release = tmp_path / "release"
+    phases: list[str] = []
+    injector = FaultInjector([FaultSpec(rank=0, step=2, kind="hold", release_file=str(release))],
+                             rank=0, attempt=0, on_phase=phases.append)
+    injector.after_step(1)
+    assert phases == []
+    held = threading.Thread(target=injector.after_step, args=(2,))
+    held.start()
+    held.join(timeout=0.5)
+    assert held.is_alive() and phases == ["held"]  # still waiting: nothing released it
+    release.touch()
+    held.join(timeout=10)
+    assert not held.is_alive()
+
+
+def test_hold_fault_needs_a_release_file_and_only_it_takes_one():
+    with pytest.raises(ValueError, match="release_file is required"):
+        FaultSpec(rank=0, step=1, kind="hold")
+    with pytest.raises(ValueError, match="release_file is required"):
+        FaultSpec(rank=0, step=1, kind="kill", release_file="/tmp/x")
+
+
 def test_compute_check_passes_and_catches_a_broken_unit():
     assert compute_check(torch.device("cpu")).ok
 

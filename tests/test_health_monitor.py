@@ -5,6 +5,8 @@ Run: python -m pytest -q tests/test_health_monitor.py
 
 from __future__ import annotations
 
+import pytest
+
 from longrun.config.sections import HealthSection
 from longrun.health.heartbeat import Heartbeat
 from longrun.health.monitor import Fault, FaultKind, HealthMonitor
@@ -97,9 +99,10 @@ def test_slow_steps_teach_a_longer_timeout_from_wall_time():
     assert kinds(monitor.observe({0: beat(0, 3, step_time=0.2)}, now=25.0)) == [(FaultKind.HANG, 0)]
 
 
-def test_checkpoint_phase_gets_the_hard_ceiling():
+@pytest.mark.parametrize("phase", ["checkpoint", "held"])
+def test_checkpoint_phase_gets_the_hard_ceiling(phase):
     monitor = learned_monitor()
-    saving = {0: beat(0, 30, phase="checkpoint", step_time=0.2)}
+    saving = {0: beat(0, 30, phase=phase, step_time=0.2)}
     assert monitor.observe(saving, now=7.0) == []
     assert monitor.hang_timeout_s(0) == 60
     assert monitor.observe(saving, now=40.0) == []  # far past the 2 s learned timeout

@@ -5,6 +5,10 @@ The job is `longrun run` (embedded Ray and Redis) with 4 workers doing dynamic c
 parallelism (dp 2 x cp 2), so the CP panels have plans to show; a worker is SIGKILLed once,
 so restarts, faults, detection and recovery have data too. A dashboard that references a
 metric nobody exports fails here.
+
+The test waits on events, not on the job being slow enough: after the restart every rank is
+held at one step (a `hold` fault) until every query has data, then released by a file. So
+the job cannot end, and its targets cannot leave /sd, before Prometheus has scraped them.
 """
 
 from __future__ import annotations
@@ -36,10 +40,20 @@ JOB = {
     "training": {"steps": 40, "lr": 3e-3, "warmup_steps": 2, "log_every": 10},
     "checkpoint": {"interval_steps": 2},
     "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_min_s": 10,
-               "faults": [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.3},  # ~15 s of training
-                          {"rank": 1, "step": 6, "kind": "kill"}]},
+               # A held rank is judged by the hard ceiling: far beyond how long the queries take.
+               "hang_timeout_s": 600,
+               "faults": [{"rank": 1, "step": 6, "kind": "kill"}]},
     "recovery": {"restart_backoff_s": 0.0},
 }
+HOLD_STEP = 12  # attempt 1 (after the kill) holds every rank here: past a checkpoint and a recovery
+
+
+def job_config(tmp_path) -> dict:
+    release = str(tmp_path / "release")
+    holds = [{"rank": r, "step": HOLD_STEP, "attempt": 1, "kind": "hold", "release_file": release}
+             for r in range(4)]
+    health = JOB["health"] | {"faults": JOB["health"]["faults"] + holds}
+    return JOB | {"job": JOB["job"] | {"output_dir": str(tmp_path / "out")}, "health": health}
 
 
 def restarts(prom) -> float:
@@ -50,7 +64,7 @@ def restarts(prom) -> float:
 def test_every_dashboard_and_alert_query_has_data_from_a_real_job(tmp_path):
     port = free_port()
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(JOB | {"job": JOB["job"] | {"output_dir": str(tmp_path / "out")}}))
+    config.write_text(yaml.safe_dump(job_config(tmp_path)))
     log = (tmp_path / "run.log").open("w")
     with EmbeddedPrometheus(sd_urls=[f"http://127.0.0.1:{port}/sd"]) as prom:
         job = subprocess.Popen([sys.executable, "-m", "longrun.cli", "run", str(config),
@@ -59,16 +73,20 @@ def test_every_dashboard_and_alert_query_has_data_from_a_real_job(tmp_path):
                                env=os.environ | {"OMP_NUM_THREADS": "1"})
         report, deadline = None, time.monotonic() + 420
         try:
-            # Evaluate while the job runs: once it ends its workers leave /sd and go stale.
+            # Evaluate while the job runs: it is held at HOLD_STEP until released below, so
+            # its workers stay in /sd however long discovery and scraping take.
             while job.poll() is None and time.monotonic() < deadline:
                 report = check_queries(prom.query)
                 if report.ok and restarts(prom) >= 1:  # and the kill was seen and counted
                     break
                 time.sleep(2)  # one scrape interval and a bit: new samples to look at
+            assert job.poll() is None, ("the job ended before it was released from its hold",
+                                        (tmp_path / "run.log").read_text()[-3000:])
             assert report is not None and report.ok, (report.describe() if report else "never evaluated",
                                                       (tmp_path / "run.log").read_text()[-3000:])
             assert report.checked > 40 and restarts(prom) >= 1
         finally:
+            (tmp_path / "release").touch()
             code = job.wait(timeout=420)
     log.close()
     assert code == 0, (tmp_path / "run.log").read_text()[-3000:]

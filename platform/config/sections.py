@@ -183,7 +183,7 @@ class CheckpointSection(Section):
     )
 
 
-FaultKind = Literal["kill", "hang", "raise", "nan", "slow"]
+FaultKind = Literal["kill", "hang", "raise", "nan", "slow", "hold"]
 
 
 class FaultSpec(Section):
@@ -194,6 +194,16 @@ class FaultSpec(Section):
     kind: FaultKind
     seconds: NonNegativeFloat = Field(0.0, description="Duration for 'slow' (extra time per step).")
     attempt: NonNegativeInt = Field(0, description="Only in this attempt, so a restart does not re-fire it.")
+    release_file: str | None = Field(
+        None, description="For 'hold': the rank waits (phase 'held', judged by the hard hang ceiling) "
+        "until this file exists.")
+
+    @model_validator(mode="after")
+    def _hold_needs_a_release(self) -> FaultSpec:
+        if (self.kind == "hold") != (self.release_file is not None):
+            raise ValueError("release_file is required for a 'hold' fault and only for it: the held "
+                             "rank waits until that file exists")
+        return self
 
 
 class HealthSection(Section):

@@ -143,7 +143,8 @@ class TrainWorker:
             with trainer:
                 trainer.on_phase = self._phase_timer(beat, metrics)
                 injector = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model,
-                                         on_fire=self._record_fault(ledger_client))
+                                         on_fire=self._record_fault(ledger_client),
+                                         on_phase=trainer.on_phase)
                 ckpt = Checkpointer(cfg, rank=self.rank, world_size=cfg.world_size,
                                     dp_rank=replicas[0], dp_size=replicas[1], on_saved=on_saved,
                                     ledger=RedisCommitLedger(ledger_client, cfg.job.name, self.attempt))

@@ -8,7 +8,10 @@ optimizer steps in attempt `attempt`, do `kind`:
 - raise  raise `InjectedFault` from the training loop (a software error);
 - nan    poison one weight with NaN, so the next step's loss is NaN (silent data corruption);
 - slow   sleep `seconds` after every step from then on (a straggler: thermal throttling, a
-         slow link).
+         slow link);
+- hold   wait, in phase "held", until `release_file` exists: a breakpoint an outside observer
+         releases (a test holds every rank at one step until Prometheus has scraped it). The
+         monitor judges a held rank by the hard hang ceiling, like a checkpoint.
 
 Each fault fires in one attempt only, so the restart it causes does not fire it again. Removing
 a whole node is done from outside (the test removes the Ray node).
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+HOLD_POLL_S = 0.05
 
 
 class InjectedFault(RuntimeError):
@@ -40,13 +44,15 @@ class FaultInjector:
 
     def __init__(self, specs: Sequence[FaultSpec], rank: int, attempt: int,
                  model: torch.nn.Module | None = None,
-                 on_fire: Callable[[FaultSpec, int], None] | None = None):
+                 on_fire: Callable[[FaultSpec, int], None] | None = None,
+                 on_phase: Callable[[str], None] | None = None):
         self.pending = sorted((s for s in specs if s.rank == rank and s.attempt == attempt),
                               key=lambda s: s.step)
         self.rank, self.attempt, self.model = rank, attempt, model
         # Told (spec, step) just before a fault fires: the worker records it in the job's event
         # log, so detection latency can be measured from the moment of the fault itself.
         self.on_fire = on_fire
+        self.on_phase = on_phase or (lambda phase: None)  # the heartbeat's phase, for 'hold'
         self.slow_s = 0.0
 
     def __bool__(self) -> bool:
@@ -82,5 +88,15 @@ class FaultInjector:
                 next(self.model.parameters()).view(-1)[0] = float("nan")
         elif spec.kind == "slow":
             self.slow_s = spec.seconds
+        elif spec.kind == "hold":
+            self._hold(spec.release_file)
         else:  # the config's Literal makes this unreachable; a new kind must be handled here
             raise ValueError(f"unknown fault kind {spec.kind!r}")
+
+    def _hold(self, release_file: str) -> None:
+        self.on_phase("held")
+        # The release comes from another process through the file system, which offers no
+        # portable notification: poll its existence.
+        while not os.path.exists(release_file):
+            time.sleep(HOLD_POLL_S)
+        log.warning("rank %d released from its hold by %s", self.rank, release_file)

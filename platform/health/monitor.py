@@ -25,7 +25,8 @@ from longrun.health.heartbeat import Heartbeat
 
 # Phases whose length has nothing to do with a training step. A step-sized learned timeout
 # would call a long checkpoint save or restore a hang, so these phases get the hard ceiling.
-SLOW_PHASES = frozenset({"setup", "restore", "checkpoint", "starting", "rendezvous", "diagnostics"})
+SLOW_PHASES = frozenset({"setup", "restore", "checkpoint", "starting", "rendezvous", "diagnostics",
+                         "held"})
 STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
 MIN_ADVANCES_TO_LEARN = 2  # step advances seen before the learned timeout replaces the ceiling
 LOSS_WINDOW = 32  # recent distinct-step losses a new loss is compared against
