@@ -44,7 +44,7 @@ def log(msg: str) -> None:
 
 def megatron_batch(rng, tokens: int, *, min_len=128, max_len=8192, mean=1024) -> np.ndarray:
     """Lognormal lengths (Megatron's Dynamic-CP benchmark) until `tokens` would be exceeded."""
-    from longrun.trainer.dynamic_cp import megatron_lengths
+    from longrun.trainer.cp.planner import megatron_lengths
 
     pool = megatron_lengths(max(tokens // mean * 4, 16), rng, min_len=min_len, max_len=max_len,
                             mean=mean)
@@ -91,9 +91,9 @@ def rank_main(rank: int, world: int, init_file: str, args, calib_dir: str, resul
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from longrun.trainer import Trainer
-    from longrun.trainer.cp_batches import build_setup, plan_step
-    from longrun.trainer.cp_calibration import load_or_calibrate
-    from longrun.trainer.dynamic_cp import CostModel
+    from longrun.trainer.cp.batches import build_setup, plan_step
+    from longrun.trainer.cp.calibration import load_or_calibrate
+    from longrun.trainer.cp.planner import CostModel
 
     cfg = config(args, world)
     b = args.budget
@@ -185,7 +185,7 @@ def simulate(cost, ranks: list[int], batches: int, corpus: np.ndarray | None) ->
     """Predicted static vs dynamic time per global batch (4 x ranks x budget tokens).
     megatron: the distribution as specified (budget 2048); megatron/8: lengths and budget
     scaled down by 8, the regime the measured runs use; stdlib: the corpus's chunk lengths."""
-    from longrun.trainer.dynamic_cp import plan_dynamic, plan_static
+    from longrun.trainer.cp.planner import plan_dynamic, plan_static
 
     cases = {"megatron": 2048, "megatron/8": 256} | ({"stdlib": 2048} if corpus is not None else {})
     out = {}
@@ -216,7 +216,7 @@ def simulate(cost, ranks: list[int], batches: int, corpus: np.ndarray | None) ->
 
 def planning_time(cost) -> float:
     """Seconds to plan 8,192 Megatron-distributed sequences for 256 ranks (one core)."""
-    from longrun.trainer.dynamic_cp import megatron_lengths, plan_dynamic
+    from longrun.trainer.cp.planner import megatron_lengths, plan_dynamic
 
     lengths = megatron_lengths(8192, np.random.default_rng(0))
     start = time.perf_counter()
@@ -239,7 +239,7 @@ def main() -> None:
     worlds = [4] if args.quick else args.worlds
     if args.quick:
         args.steps = 2
-    from longrun.trainer.dynamic_cp import CostModel
+    from longrun.trainer.cp.planner import CostModel
 
     with tempfile.TemporaryDirectory() as calib_dir:
         measured = {w: measure(args, w, calib_dir) for w in worlds}

@@ -61,8 +61,8 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
         dist = _join(rank, world, init_file)
         import torch
 
-        from longrun.trainer.context_parallel import ContextParallelAttention, build_cp_groups
-        from longrun.trainer.cp_layout import ShardLayout
+        from longrun.trainer.cp.attention import ContextParallelAttention, build_cp_groups
+        from longrun.trainer.cp.layout import ShardLayout
 
         for case in cases:
             impl, cp, zigzag, h, kvh, u = case
@@ -127,7 +127,7 @@ def _planned_step_against_one_process(cfg, setup, docs):
     """One planned step of `docs` under `setup` and the same batch in one process without CP:
     the trainer (gradients in place) and how the two compare."""
     from longrun.trainer import Trainer, build_micro_batch
-    from longrun.trainer.cp_batches import plan_step
+    from longrun.trainer.cp.batches import plan_step
 
     with Trainer(cfg, "cpu", progress=False) as ref:
         ref_loss, _ = ref.forward_backward([build_micro_batch(docs)])
@@ -149,8 +149,8 @@ def cp_step_matches_no_cp(rank: int, world: int, init_file: str, results, cases)
         dist = _join(rank, world, init_file)
         import torch
 
-        from longrun.trainer.cp_batches import setup_from_config
-        from longrun.trainer.dynamic_cp import CostModel
+        from longrun.trainer.cp.batches import setup_from_config
+        from longrun.trainer.cp.planner import CostModel
 
         rng = np.random.default_rng(3)
         for case in cases:
@@ -187,8 +187,8 @@ def cp_step_over_commgroup(rank: int, world: int, init_file: str, results, url: 
         from commgroup_workers import world4_layout
 
         from longrun.commgroup import init_parallel_groups
-        from longrun.trainer.cp_batches import setup_from_parallel_groups
-        from longrun.trainer.dynamic_cp import CostModel
+        from longrun.trainer.cp.batches import setup_from_parallel_groups
+        from longrun.trainer.cp.planner import CostModel
 
         groups = init_parallel_groups(url, job="cp-commgroup", attempt=0, rank=rank,
                                       layout=world4_layout())
@@ -214,9 +214,9 @@ def calibration_is_measured_then_reused(rank: int, world: int, init_file: str, r
     try:
         _join(rank, world, init_file)
         from longrun.trainer import Trainer
-        from longrun.trainer.cp_batches import setup_from_config
-        from longrun.trainer.cp_calibration import calibration_path, load_or_calibrate
-        from longrun.trainer.dynamic_cp import CostModel
+        from longrun.trainer.cp.batches import setup_from_config
+        from longrun.trainer.cp.calibration import calibration_path, load_or_calibrate
+        from longrun.trainer.cp.planner import CostModel
 
         cfg = cp_config(world, world, False)
         placeholder = CostModel.for_model(cfg.model, **TEST_COST)

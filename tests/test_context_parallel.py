@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from worlds import run_world
 
-from longrun.trainer.cp_layout import ShardLayout
-from longrun.trainer.dynamic_cp import CostModel
+from longrun.trainer.cp.layout import ShardLayout
+from longrun.trainer.cp.planner import CostModel
 
 # (impl, cp, zigzag, n_heads, kv_heads, ulysses_size)
 CASES_4 = [

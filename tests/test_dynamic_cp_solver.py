@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longrun.config.sections import ModelSection
-from longrun.trainer.dynamic_cp import (
+from longrun.trainer.cp.planner import (
     CostModel,
     Plan,
     SequenceTooLongError,
@@ -271,7 +271,7 @@ def test_the_trainer_plans_the_next_global_batch_in_its_data_thread(monkeypatch)
     """Planning runs in the prefetch thread, ahead of the step that trains the batch."""
     import threading
 
-    import longrun.trainer.cp_batches as cp_batches
+    import longrun.trainer.cp.batches as cp_batches
     from longrun.config import config_from_dict
     from longrun.trainer import Trainer
 
@@ -299,7 +299,7 @@ def test_the_trainer_plans_the_next_global_batch_in_its_data_thread(monkeypatch)
 
 
 def test_bad_context_parallel_setups_are_refused_with_the_reason():
-    from longrun.trainer.cp_batches import build_setup, setup_from_parallel_groups
+    from longrun.trainer.cp.batches import build_setup, setup_from_parallel_groups
 
     with pytest.raises(ValueError, match="increasing order and hold rank 0"):
         build_setup([1, 0], 0, cost=COST, dynamic=True, static_cp=2)

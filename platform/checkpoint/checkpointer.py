@@ -93,12 +93,15 @@ class Checkpointer:
             self._pending.wait()
             self._pending = None
 
+    def due(self, step: int) -> bool:
+        """Whether a save is due after `step`: every checkpoint.interval_steps and at the last."""
+        return step % self.cfg.checkpoint.interval_steps == 0 or step == self.cfg.training.steps
+
     def on_step(self, trainer) -> Callable[[object], None]:
-        """A `Trainer.train` hook: save every checkpoint.interval_steps and at the last step."""
-        interval, last = self.cfg.checkpoint.interval_steps, self.cfg.training.steps
+        """A `Trainer.train` hook: save whenever `due`."""
 
         def hook(metrics) -> None:
-            if metrics.step % interval == 0 or metrics.step == last:
+            if self.due(metrics.step):
                 self.save(trainer)
         return hook
 

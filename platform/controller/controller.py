@@ -41,14 +41,13 @@ from longrun.controller.workers import Launcher, LaunchFailed, RankEnded, RayLau
 from longrun.health.heartbeat import Heartbeat, read_heartbeats
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
+from longrun.kinds import STARTING_PHASES
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import advertised_address, target_groups, write_file_sd
 from longrun.services.redis_client import patient_client, quick_client
 
 log = logging.getLogger(__name__)
 
-# Phases in which a rank has not yet trained a step of the current attempt.
-_STARTING_PHASES = frozenset({"starting", "setup", "rendezvous", "restore"})
 
 
 class JobFailed(RuntimeError):
@@ -371,7 +370,7 @@ class Controller:
     def _first_step_done(self, live: list[Heartbeat]) -> bool:
         """Every rank of the new attempt has trained a step past where it resumed."""
         return len(live) == self.cfg.world_size and all(
-            b.phase not in _STARTING_PHASES and b.step > b.resumed_from for b in live)
+            b.phase not in STARTING_PHASES and b.step > b.resumed_from for b in live)
 
     def _handle(self, decision: Decision) -> None:
         """Carry out a decision that ends the attempt: restart (maybe evicting) or give up."""

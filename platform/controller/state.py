@@ -12,28 +12,13 @@ history. Pure: no I/O; the caller persists `history` (see `job_state.py`).
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
+from longrun.kinds import TERMINAL_STATES as TERMINAL
+from longrun.kinds import JobState
 
-class JobState(enum.StrEnum):
-    PENDING = "PENDING"
-    PLACING = "PLACING"
-    DIAGNOSING = "DIAGNOSING"
-    RENDEZVOUS = "RENDEZVOUS"
-    RUNNING = "RUNNING"
-    RECOVERING = "RECOVERING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    STOPPED = "STOPPED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+__all__ = ["TERMINAL", "InvalidTransition", "JobState", "JobStateMachine", "Transition"]
 
 _NEXT: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.PLACING}),

@@ -21,7 +21,8 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from longrun.config import JobConfig
 from longrun.controller.placement import Placement, place, worker_bundle
-from longrun.controller.train_worker import TrainWorker
+from longrun.kinds import FaultKind
+from longrun.worker.actor import TrainWorker
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,9 @@ def _outcome(ref, rank: int) -> RankEnded:
         return RankEnded(rank, summary=ray.get(ref))
     except RayTaskError as exc:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        kind = "nan" if type(cause).__name__.startswith("NonFinite") else "exception"
+        # Errors say what kind of fault they are (`fault_kind`: NonFiniteError is a NaN; data,
+        # config and checkpoint mismatches are fatal); anything else is an exception.
+        kind = str(getattr(cause, "fault_kind", FaultKind.EXCEPTION))
         return RankEnded(rank, kind=kind, step=getattr(cause, "step", None),
                          detail=f"rank {rank} raised {type(cause).__name__}: {_last_line(cause)}")
     except RayActorError as exc:

@@ -13,7 +13,6 @@ happened" run on it, because during an outage we did not watch.
 
 from __future__ import annotations
 
-import enum
 import math
 import statistics
 from collections import deque
@@ -22,11 +21,9 @@ from dataclasses import dataclass, field
 
 from longrun.config.sections import HealthSection
 from longrun.health.heartbeat import Heartbeat
+from longrun.kinds import SLOW_PHASES, FaultKind
 
-# Phases whose length has nothing to do with a training step. A step-sized learned timeout
-# would call a long checkpoint save or restore a hang, so these phases get the hard ceiling.
-SLOW_PHASES = frozenset({"setup", "restore", "checkpoint", "starting", "rendezvous", "diagnostics",
-                         "held"})
+__all__ = ["Fault", "FaultKind", "HealthMonitor"]
 STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
 MIN_ADVANCES_TO_LEARN = 2  # step advances seen before the learned timeout replaces the ceiling
 LOSS_WINDOW = 32  # recent distinct-step losses a new loss is compared against
@@ -35,15 +32,6 @@ LOSS_WINDOW = 32  # recent distinct-step losses a new loss is compared against
 LOSS_HISTORY = 4096
 MIN_LOSSES_TO_JUDGE = 8  # with fewer, the median of "recent losses" is mostly warm-up noise
 MIN_RANKS_FOR_STRAGGLERS = 3  # with two step times the median is their mean: no outlier to find
-
-
-class FaultKind(enum.StrEnum):
-    # Declaration order is the order faults are returned in.
-    DEAD = "dead"
-    HANG = "hang"
-    STRAGGLER = "straggler"
-    NAN = "nan"
-    LOSS_SPIKE = "loss_spike"
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from longrun.config.sections import RecoverySection
+from longrun.kinds import FaultKind
 
-# Most specific first; the first kind present picks the rule. A lost node explains its dead ranks,
-# a dead rank explains its peers' exceptions, and a straggler explains nothing else.
-PRECEDENCE = (
-    "node_lost", "diagnostics_failed", "dead", "hang", "nan", "loss_spike", "exception", "straggler",
-)
+# Most specific first; the first kind present picks the rule (see kinds.FaultKind).
+PRECEDENCE = tuple(str(kind) for kind in FaultKind.precedence())
 # Ranks on one node that died or hung this often within restart_window_s (this time included) get
 # the node evicted: once is bad luck (a crash, an OOM), twice on the same machine is the machine.
 REPEATS_BEFORE_EVICTION = 2
@@ -197,6 +195,15 @@ def _rule_bad_loss(i: Incident, f: _Facts) -> Decision:
                     resume_before_step=i.step, cause=i)
 
 
+def _rule_fatal(i: Incident, f: _Facts) -> Decision:
+    # It would recur on any node and in any attempt (a config, data or checkpoint mismatch, an
+    # import or syntax error in user code): restarting only spends the budget and buries it.
+    # The original message is the point, so it is quoted whole (one line), not clipped.
+    message = " ".join(i.detail.split()) or "no message"
+    return Decision(Action.GIVE_UP, f"fatal error: {_who(i)} failed{_at_step(i)} in a way no restart "
+                    f"can fix ({message}); giving up.", cause=i)
+
+
 def _rule_exception(i: Incident, f: _Facts) -> Decision:
     last = f.history[-1] if f.history else None
     if last is not None and last.cause == "exception" and last.step is not None:
@@ -226,6 +233,7 @@ def _rule_straggler(i: Incident, f: _Facts) -> Decision:
 _RULES: dict[str, Callable[[Incident, _Facts], Decision]] = {
     "node_lost": _rule_node_lost,
     "diagnostics_failed": _rule_failed_diagnostics,
+    "fatal": _rule_fatal,
     "dead": _rule_dead_or_hang,
     "hang": _rule_dead_or_hang,
     "nan": _rule_bad_loss,

@@ -30,6 +30,8 @@ from collections.abc import Iterable
 
 import prometheus_client
 
+from longrun.kinds import PLACEMENT_CAUSE, STEP_PHASES, FaultKind, Phase
+
 log = logging.getLogger(__name__)
 
 # prometheus-client adds a `<name>_created` timestamp series beside every counter and histogram
@@ -48,7 +50,7 @@ CONTROLLER_LABELS = ("job",)
 
 # Where a step's time goes: the trainer's on_phase names (data, forward, backward, sync,
 # optimizer) plus what surrounds steps.
-PHASES = ("data", "plan", "forward", "backward", "sync", "optimizer", "checkpoint", "restore", OTHER)
+PHASES = (*STEP_PHASES, Phase.CHECKPOINT, Phase.RESTORE, OTHER)
 
 # commgroup.init.InitTimings fields (the per-group times are summed into "groups": group
 # names like tp_3 are not bounded by anything but the world size).
@@ -56,8 +58,7 @@ INIT_PHASES = ("store_connect", "arrival", "world_init", "groups", "total", OTHE
 
 # Fault kinds and restart causes: health.policy.PRECEDENCE, plus placement failures.
 # tests/test_observability_metrics.py fails if the policy or monitor learns a kind this lacks.
-FAULT_KINDS = ("node_lost", "diagnostics_failed", "dead", "hang", "nan", "loss_spike", "exception",
-               "straggler", "placement", OTHER)
+FAULT_KINDS = (*FaultKind.precedence(), PLACEMENT_CAUSE, OTHER)
 _FAULT_ALIASES = {"diagnostics": "diagnostics_failed"}
 
 # health.diagnostics check names.

@@ -10,15 +10,6 @@ from longrun.trainer.data import (
     SyntheticCorpus,
     build_corpus,
 )
-from longrun.trainer.loop import (
-    NonFiniteError,
-    NonFiniteGradientError,
-    NonFiniteLossError,
-    ProgressPrinter,
-    StepMetrics,
-    Trainer,
-    build_optimizer,
-)
 from longrun.trainer.model import Transformer, packed_causal_attention
 from longrun.trainer.packing import (
     IGNORE_INDEX,
@@ -29,6 +20,15 @@ from longrun.trainer.packing import (
 )
 from longrun.trainer.schedule import build_scheduler, lr_multiplier, lr_schedule
 from longrun.trainer.tokenizer import ByteTokenizer
+from longrun.trainer.trainer import (
+    NonFiniteError,
+    NonFiniteGradientError,
+    NonFiniteLossError,
+    ProgressPrinter,
+    StepMetrics,
+    Trainer,
+    build_optimizer,
+)
 
 __all__ = [
     "IGNORE_INDEX",

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from longrun.config.sections import ModelSection
 
 if TYPE_CHECKING:
-    from longrun.trainer.context_parallel import ContextParallelAttention
+    from longrun.trainer.cp.attention import ContextParallelAttention
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayou
 class AttentionLayout(Protocol):
     """What the attention layers need to know about the tokens: how to attend them. A
     `PackedLayout` (whole documents in this process) or a context-parallel one
-    (`context_parallel.ContextParallelAttention`: slices of documents spread over a group)."""
+    (`cp.attention.ContextParallelAttention`: slices of documents spread over a group)."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 

@@ -2,7 +2,7 @@
 
 With context parallelism the unit of data is a *global* batch shared by all dp x cp ranks (the
 "span"): every rank draws the same documents (cheap: token ids), the planner partitions the
-ranks into CP groups per micro-batch and assigns documents to groups (`dynamic_cp.py`), and
+ranks into CP groups per micro-batch and assigns documents to groups (`cp/planner.py`), and
 each rank keeps what its group trains, cut to its own shard when the group has more than one
 rank. Because every rank computes the same plan from the same lengths, no rank has to tell
 another what to do. Planning runs in the prefetch thread, so the plan of the next global batch
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from longrun.config import JobConfig
-from longrun.trainer.context_parallel import CPGroups, CPImpl, build_cp_groups, usp_ulysses_size
-from longrun.trainer.cp_layout import LocalShard, ShardLayout
-from longrun.trainer.dynamic_cp import CostModel, Group, Plan, plan_dynamic, plan_static
+from longrun.trainer.cp.attention import CPGroups, CPImpl, build_cp_groups, usp_ulysses_size
+from longrun.trainer.cp.layout import LocalShard, ShardLayout
+from longrun.trainer.cp.planner import CostModel, Group, Plan, plan_dynamic, plan_static
 from longrun.trainer.packing import MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def planned_steps(global_batches: Iterator[MicroBatch], setup: ContextParallelSe
 
 def cp_attention_for(rmb: RankMicroBatch, setup: ContextParallelSetup, device: torch.device):
     """The attention object the model uses for this micro-batch (None: plain packed)."""
-    from longrun.trainer.context_parallel import ContextParallelAttention
+    from longrun.trainer.cp.attention import ContextParallelAttention
 
     if rmb.shard is None:
         return None

@@ -3,8 +3,8 @@
 Affine in the tokens a rank holds and in the sum of squared sequence pieces (the causal
 attention core), plus fixed costs per micro-batch, per ring step and per step, plus the ring's
 communication where it is not hidden behind the block compute it overlaps with. The planner
-(`dynamic_cp.py`) calls it a great many times, so it works on running sums and vectorises;
-the coefficients come from measuring the machine (`cp_calibration.py`).
+(`cp/planner.py`) calls it a great many times, so it works on running sums and vectorises;
+the coefficients come from measuring the machine (`cp/calibration.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from longrun.config.sections import ModelSection
-    from longrun.trainer.dynamic_cp import Plan
+    from longrun.trainer.cp.planner import Plan
 
 COST_MODEL_FORMAT = "longrun.dynamic_cp.CostModel/2"
 

@@ -11,7 +11,7 @@ count is summed over the ranks first and the ranks' gradients are summed (`paral
 the result is the gradient of the global batch's mean token loss, however the documents were
 split across ranks.
 
-Under context parallelism (`context_parallel=`, see `cp_batches.py`) a step is one planned
+Under context parallelism (`context_parallel=`, see `cp/batches.py`) a step is one planned
 global batch: every rank of the dp x cp span runs the same number of micro-batches, each on
 the CP group the plan gives it, and gradients are summed over the whole span.
 """
@@ -37,17 +37,18 @@ import torch.nn.functional as F
 
 from longrun.config import JobConfig
 from longrun.config.sections import TrainingSection
-from longrun.trainer.context_parallel import ContextParallelAttention
-from longrun.trainer.cp_batches import (
+from longrun.kinds import FaultKind
+from longrun.trainer.cp.attention import ContextParallelAttention
+from longrun.trainer.cp.batches import (
     ContextParallelSetup,
     PlannedStep,
     RankMicroBatch,
     cp_attention_for,
     planned_steps,
 )
-from longrun.trainer.cp_layout import LocalShard
+from longrun.trainer.cp.layout import LocalShard
+from longrun.trainer.cp.planner import Plan
 from longrun.trainer.data import DocumentSampler, build_corpus
-from longrun.trainer.dynamic_cp import Plan
 from longrun.trainer.model import Transformer
 from longrun.trainer.packing import (
     IGNORE_INDEX,
@@ -66,6 +67,8 @@ log = logging.getLogger(__name__)
 class NonFiniteError(RuntimeError):
     """A step produced NaN/inf (`quantity` is "loss" or "gradient norm"); the weights were
     not updated. `step` is the 1-based step that failed."""
+
+    fault_kind = FaultKind.NAN  # how the controller classifies it (controller/workers.py)
 
     def __init__(self, step: int, quantity: str, value: float):
         self.step, self.quantity, self.value = step, quantity, value

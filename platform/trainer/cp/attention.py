@@ -1,6 +1,6 @@
 """Context-parallel attention: ring (zigzag), Ulysses and their hybrid USP, with overlap.
 
-Each rank of a CP group holds a slice of every document (`cp_layout.py`); attention still has
+Each rank of a CP group holds a slice of every document (`cp/layout.py`); attention still has
 to see whole documents. Three ways to get there:
 
 - **Ring.** K and V blocks travel around the group; each rank attends its queries to one
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longrun.trainer.cp_layout import ShardLayout, TokenStream
+from longrun.trainer.cp.layout import ShardLayout, TokenStream
 
 CPImpl = Literal["ring", "ulysses", "usp"]
 _KV_TAG, _DKV_TAG = 17, 18  # distinct tags: gloo matches messages by (peer, tag)

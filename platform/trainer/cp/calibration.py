@@ -35,14 +35,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longrun.trainer.cp_batches import RankMicroBatch
-from longrun.trainer.cp_cost import CostModel, padded_tokens_per_rank
-from longrun.trainer.cp_layout import ShardLayout
-from longrun.trainer.dynamic_cp import Group
+from longrun.trainer.cp.batches import RankMicroBatch
+from longrun.trainer.cp.cost import CostModel, padded_tokens_per_rank
+from longrun.trainer.cp.layout import ShardLayout
+from longrun.trainer.cp.planner import Group
 from longrun.trainer.packing import MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
-    from longrun.trainer.loop import Trainer
+    from longrun.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

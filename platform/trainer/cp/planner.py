@@ -10,7 +10,7 @@ avoid all communication and only long ones pay for it. All ranks step through th
 in lock-step, so a micro-batch lasts as long as its slowest group, and the planner minimises
 the sum of those maxima under a per-rank token budget.
 
-    python -c "import numpy as np; from longrun.trainer.dynamic_cp import *; \
+    python -c "import numpy as np; from longrun.trainer.cp.planner import *; \
         print(plan_dynamic(megatron_lengths(4096, np.random.default_rng(0)), 64, 2048, \
         CostModel(1e-6, 1e-9, 1.2e-9, 1e-4, 1e-9, 256, 4, 1e-3)).summary())"
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from longrun.trainer.cp_cost import (  # noqa: F401  (padded_tokens_per_rank: re-exported)
+from longrun.trainer.cp.cost import (  # noqa: F401  (padded_tokens_per_rank: re-exported)
     CostModel,
     padded_shares,
     padded_tokens_per_rank,

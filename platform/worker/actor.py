@@ -1,0 +1,199 @@
+"""The training worker that runs inside a Ray actor, one per accelerator.
+
+It is the seam between the two worlds: Ray places and supervises it; inside, it runs the
+trainer, which never sees Ray. Its life: created blank, `warm()` (imports), `assume()` a rank
+of an attempt, `diagnose()` (self-checks), `run()`: join the groups and build the trainer
+(`setup.py`), restore, and train with `StepHooks` (`hooks.py`) around every step: heartbeat
+for the controller, metrics for operators, checkpoints, injected faults.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from longrun import keys
+from longrun.config import JobConfig
+from longrun.health.heartbeat import HeartbeatPublisher
+from longrun.kinds import FaultKind, Phase
+from longrun.observability.discovery import advertised_address
+from longrun.observability.metrics import WorkerMetrics
+from longrun.services.redis_client import patient_client, quick_client
+
+
+class TrainWorker:
+    """Plain class; the controller wraps it with `ray.remote(...)` and its resources.
+
+    An actor is created blank and is given its place in a job with `assume()`. That split is
+    what makes warm spares possible: a spare is started ahead of need, `warm()` imports torch
+    and the training stack (seconds of CPU), and on a restart it only has to `assume()` the
+    rank of the worker it replaces. `node_ids[i]` is the Ray node of node index i (rank r is
+    on node r // workers_per_node)."""
+
+    def __init__(self) -> None:
+        self.cfg: JobConfig | None = None
+        self.metrics_port: int | None = None
+        self._groups = None  # the attempt's communication groups, torn down when run() ends
+
+    def warm(self) -> float:
+        """Import what a run needs, before it is needed; the seconds it took."""
+        import time
+
+        start = time.perf_counter()
+        import torch  # noqa: F401
+
+        import longrun.checkpoint
+        import longrun.commgroup
+        import longrun.health.diagnostics
+        import longrun.health.faults
+        import longrun.trainer
+        import longrun.worker.hooks
+        import longrun.worker.setup  # noqa: F401
+
+        return time.perf_counter() - start
+
+    def assume(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
+               node_ids: list[str] | None = None, resume_before_step: int | None = None,
+               skip_steps: list[tuple[int, int]] | None = None) -> None:
+        self.cfg = JobConfig.model_validate(config)
+        self.rank = rank
+        self.attempt = attempt
+        self.redis_url = redis_url
+        self.node_ids = node_ids or ["local"]
+        self.resume_before_step = resume_before_step
+        self.skip_steps = [tuple(w) for w in skip_steps or ()]  # [first, last] windows not to train on
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def diagnose(self) -> dict[str, Any]:
+        """The self-checks of `recovery.diagnostics` on this worker; the collective check
+        runs among the workers of this node (a group made for it over the Redis store)."""
+        from longrun.commgroup.store import RedisStore
+        from longrun.health.diagnostics import run_diagnostics
+        from longrun.worker.setup import worker_device
+
+        cfg = self.cfg
+        per_node = cfg.cluster.workers_per_node
+        node_index, local_rank = divmod(self.rank, per_node)
+        store = None
+        if per_node > 1 and "collective" in cfg.recovery.diagnostics:
+            prefix = f"{keys.attempt_prefix(cfg.job.name, self.attempt)}diag:{node_index}:"
+            store = (RedisStore(self.redis_url, namespace=prefix), local_rank, per_node)
+        report = run_diagnostics(cfg.recovery.diagnostics, node=self.node_ids[node_index],
+                                 rank=self.rank, device=worker_device(cfg), redis_url=self.redis_url,
+                                 node_group=store)
+        return {"node": report.node, "rank": report.rank, "ok": report.ok, "reason": report.reason,
+                "checks": [(c.name, c.ok, c.seconds, c.detail) for c in report.checks]}
+
+    def run(self) -> dict[str, Any]:
+        """Join the groups, build the trainer, restore, train to the end; rank's summary."""
+        cfg = self.cfg
+        # Heartbeats fail fast (the next interval retries); commit reports must survive a
+        # Redis restart, so they go through the patient client.
+        client = quick_client(self.redis_url)
+        ledger_client = patient_client(self.redis_url, cfg.health.store_patience_s)
+        beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank,
+                                  cfg.health.heartbeat_interval_s, cfg.health.heartbeat_timeout_s).start()
+        node = self.node_ids[self.rank // cfg.cluster.workers_per_node]
+        metrics = WorkerMetrics(cfg.job.name, self.rank, attempt=self.attempt, node=node)
+        self._groups = None
+        try:
+            obs = cfg.observability
+            self.metrics_port = metrics.serve(obs.metrics_host, obs.metrics_port)
+            # Published in the heartbeat: the controller turns it into Prometheus scrape targets.
+            address = advertised_address(obs.metrics_host, self.metrics_port)
+            beat.update(phase=Phase.SETUP, metrics_addr=address)
+            summary = self._train(beat, metrics, ledger_client)
+        except BaseException as exc:
+            step = getattr(exc, "step", None)
+            if getattr(exc, "fault_kind", None) == FaultKind.NAN and step is not None:
+                beat.update(step=step - 1, loss=None, loss_finite=False)  # the step did not happen
+            beat.stop(final_phase=Phase.FAILED)
+            raise
+        finally:
+            if self._groups is not None:
+                self._groups.teardown()
+            metrics.close()
+            client.close()
+            ledger_client.close()
+        beat.stop(final_phase=Phase.DONE)
+        return summary | {"rank": self.rank, "metrics_port": self.metrics_port}
+
+    def _train(self, beat: HeartbeatPublisher, metrics: WorkerMetrics, ledger_client):
+        # torch is imported only in the worker process
+        from longrun.checkpoint import Checkpointer, RedisCommitLedger
+        from longrun.health.faults import FaultInjector
+        from longrun.worker.hooks import StepHooks
+        from longrun.worker.setup import build_trainer, join_groups, worker_device
+
+        cfg, groups = self.cfg, None
+        device = worker_device(cfg)
+        if cfg.world_size > 1:
+            beat.update(phase=Phase.RENDEZVOUS)
+            groups = self._groups = join_groups(cfg, rank=self.rank, attempt=self.attempt,
+                                                redis_url=self.redis_url, node_ids=self.node_ids,
+                                                device=device)
+            metrics.observe_init_timings(groups.timings)
+        trainer, replicas = build_trainer(cfg, groups, device)
+        with trainer:
+            hooks = StepHooks(beat, metrics)
+            hooks.checkpointer = Checkpointer(
+                cfg, rank=self.rank, world_size=cfg.world_size, dp_rank=replicas.rank,
+                dp_size=replicas.size, on_saved=hooks.saved,
+                ledger=RedisCommitLedger(ledger_client, cfg.job.name, self.attempt))
+            hooks.faults = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model,
+                                         on_fire=self._record_fault(ledger_client), on_phase=hooks.phase)
+            hooks.attach(trainer)
+            resumed_from = self._restore(trainer, hooks, groups, replicas)
+            try:
+                trainer.train(on_step=hooks.after_step)
+            finally:
+                hooks.checkpointer.close()  # the last save commits, or its failure is raised
+        last = hooks.last
+        return {"step": trainer.step, "resumed_from": resumed_from,
+                "loss": last.loss if last else None,
+                "tokens_per_s": last.tokens_per_s if last else None}
+
+    def _restore(self, trainer, hooks, groups, replicas) -> int:
+        """Resume from the newest committed checkpoint (before the policy's step, if any) and
+        skip the data windows the policy marked; the step resumed from (0: none)."""
+        hooks.phase(Phase.RESTORE)
+        ckpt = hooks.checkpointer
+        restored = ckpt.restore(trainer, groups.world if groups else None, replicas.group,
+                                before_step=self.resume_before_step)
+        resumed_from = 0
+        if restored is not None:
+            resumed_from = restored.step
+            hooks.restored(restored.step, _committed_at(ckpt, restored.step))
+            if self.rank == 0:
+                print(f"resumed from the checkpoint of step {restored.step}", flush=True)
+        if self.skip_steps:
+            trainer.skip_steps = frozenset(s for first, last in self.skip_steps
+                                           for s in range(first, last + 1))
+            if self.rank == 0:
+                windows = ", ".join(f"{a}-{b}" for a, b in self.skip_steps)
+                print(f"skipping the data of steps {windows} (repeated loss spikes)", flush=True)
+        return resumed_from
+
+    def _record_fault(self, client):
+        """An injected fault goes into the job's event log before it fires (with its wall time)."""
+        from longrun.controller.job_state import JobRecordStore
+
+        def record(spec, step: int) -> None:
+            JobRecordStore(client, self.cfg.job.name).event(
+                "fault_injected", self.attempt, f"injecting {spec.kind} on rank {self.rank} at step {step}",
+                fault=spec.kind, rank=self.rank, step=step)
+        return record
+
+
+def _committed_at(ckpt, step: int) -> float:
+    """When the checkpoint of `step` was committed (its directory's time), for the age panel."""
+    from longrun.checkpoint.layout import step_dir_name
+
+    try:
+        return float(ckpt.fs.modified(f"{ckpt.root}/{step_dir_name(step)}").timestamp())
+    except (OSError, NotImplementedError, AttributeError):
+        return time.time()

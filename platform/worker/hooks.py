@@ -1,0 +1,100 @@
+"""What happens around a training step: one object the trainer calls at fixed points.
+
+    hooks = StepHooks(beat, metrics, checkpointer, injector)
+    hooks.attach(trainer)          # trainer.on_phase -> hooks.phase, before_update -> hooks.before_update
+    trainer.train(on_step=hooks.after_step)
+
+The trainer owns the step and knows nothing of Redis, Prometheus or Ray; this object owns
+everything around it, in the order it happens:
+
+    phase(name)        each part of the step: into the heartbeat (a hang report says where the
+                       rank was) and, when it ends, into the phase histogram
+    before_update()    a checkpoint copy still in flight finishes before the weights change
+    after_step(m)      metrics, heartbeat progress, a checkpoint when one is due (in phase
+                       "checkpoint", so a long blocking save is judged by the hard ceiling, not
+                       the step-sized hang timeout), then injected faults
+
+Built in the spirit of torchft's Manager: a small surface the training loop calls, rather
+than closures threaded through it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+from longrun.health.faults import FaultInjector
+from longrun.health.heartbeat import HeartbeatPublisher
+from longrun.kinds import Phase
+from longrun.observability.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from longrun.checkpoint import Checkpointer
+    from longrun.checkpoint.writer import SaveResult
+    from longrun.trainer import StepMetrics, Trainer
+
+
+class StepHooks:
+    def __init__(self, beat: HeartbeatPublisher, metrics: WorkerMetrics,
+                 checkpointer: Checkpointer | None = None, faults: FaultInjector | None = None):
+        self.beat, self.metrics = beat, metrics
+        self.checkpointer, self.faults = checkpointer, faults
+        self.trainer: Trainer | None = None
+        self.last: StepMetrics | None = None
+        self._phase: str | None = None
+        self._phase_since = 0.0
+
+    def attach(self, trainer: Trainer) -> StepHooks:
+        self.trainer = trainer
+        trainer.on_phase = self.phase
+        trainer.before_update.append(self.before_update)
+        return self
+
+    # -- the fixed points of a step ------------------------------------------------------------
+    def phase(self, name: str) -> None:
+        """The rank enters phase `name`; the one it leaves is timed into the histogram."""
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.metrics.observe_phase(self._phase, now - self._phase_since)
+        self._phase, self._phase_since = name, now
+        self.beat.update(phase=name)
+
+    def before_update(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.before_update()
+
+    def after_step(self, m: StepMetrics) -> None:
+        self.last = m
+        self.metrics.observe_step(m)
+        plan = self.trainer.last_plan if self.trainer is not None else None
+        if plan is not None:
+            sizes = [g.cp for mb in plan.micro_batches for g in mb.groups if g.sequences]
+            self.metrics.observe_cp_plan(sizes, plan.predicted_s, m.step_time_s)
+        finite = math.isfinite(m.loss)
+        self.beat.update(step=m.step, loss=m.loss if finite else None, loss_finite=finite,
+                         step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
+                         memory_bytes=m.memory_bytes)
+        self._checkpoint(m.step)
+        if self.faults is not None:
+            self.faults.after_step(m.step)
+
+    def _checkpoint(self, step: int) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None or not ckpt.due(step):
+            return
+        self.phase(Phase.CHECKPOINT)
+        blocking_s = ckpt.save(self.trainer)
+        if blocking_s is not None:
+            self.metrics.observe_checkpoint(blocking_s=blocking_s)
+
+    # -- around the steps ----------------------------------------------------------------------
+    def saved(self, result: SaveResult) -> None:
+        """The writer thread finished a save (committed or not)."""
+        self.metrics.observe_checkpoint(write_s=result.write_s)
+        if result.committed and result.error is None:
+            self.metrics.checkpoint_committed(result.step, time.time())
+
+    def restored(self, step: int, committed_at: float) -> None:
+        self.metrics.checkpoint_committed(step, committed_at)
+        self.beat.update(step=step, resumed_from=step)

@@ -1,0 +1,96 @@
+"""What a worker builds before its first step: the device, the communication groups, the
+trainer with its parallelisms, and the group its checkpoints treat as replicas.
+
+    device = worker_device(cfg)
+    groups = join_groups(cfg, rank=r, attempt=a, redis_url=url, node_ids=ids, device=device)
+    trainer, replicas = build_trainer(cfg, groups, device)
+
+Groups come from commgroup's Redis rendezvous, in the node order the controller placed the
+ranks in, with the backend the device needs (NCCL on CUDA, gloo on CPU). The trainer never
+creates a process group of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longrun.commgroup import NodeSpec, ParallelGroups, init_parallel_groups, make_layout
+from longrun.commgroup import ParallelDims as GroupDims
+from longrun.config import JobConfig
+from longrun.trainer import Trainer
+from longrun.trainer.flops import peak_flops
+from longrun.trainer.trainer import resolve_device
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The ranks holding the same weights and data position: what a checkpoint is written
+    once for (`rank` 0 of them writes the replicated state) and restored once for."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend a device needs: NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def worker_device(cfg: JobConfig) -> torch.device:
+    """This worker's device: on CUDA the one Ray assigned to the actor (its only visible GPU)."""
+    device = resolve_device(cfg.cluster.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def join_groups(cfg: JobConfig, *, rank: int, attempt: int, redis_url: str, node_ids: list[str],
+                device: torch.device) -> ParallelGroups:
+    """Every communication group of this attempt, through the Redis rendezvous."""
+    par = cfg.parallelism
+    # The layout orders nodes by name; prefixing the placement index keeps rank r on the node
+    # the controller placed it on (node_ids[r // workers_per_node]).
+    nodes = [NodeSpec(f"{i:05d}-{n}") for i, n in enumerate(node_ids)]
+    layout = make_layout(nodes, cfg.cluster.workers_per_node,
+                         GroupDims(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp))
+    return init_parallel_groups(redis_url, job=cfg.job.name, attempt=attempt, rank=rank,
+                                layout=layout, backend=backend_for(device),
+                                device=device if device.type == "cuda" else None)
+
+
+def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
+                  device: torch.device) -> tuple[Trainer, Replicas]:
+    """The trainer, and its replicas. Without context parallelism the replicas are the
+    data-parallel group; with it, every rank of the dp x cp span holds the same weights and
+    the same data position (all draw the same global batch), so the span is the group."""
+    par = cfg.parallelism
+    peak = peak_flops(device, cfg.cluster.peak_tflops)
+    if par.cp == 1 and not par.dynamic_cp:
+        dp_group = groups.dp if groups else None
+        trainer = Trainer(cfg, device, dp_group=dp_group, peak_flops=peak)
+        return trainer, _replicas(dp_group)
+    from longrun.trainer.cp.batches import setup_from_parallel_groups
+    from longrun.trainer.cp.calibration import load_or_calibrate
+    from longrun.trainer.cp.planner import CostModel
+
+    # A stand-in until the calibration (measured once per model, device and span, then read
+    # from the job's output directory) replaces it below.
+    provisional = CostModel.for_model(cfg.model, linear_s_per_token=1e-6, attn_s_per_token2=1e-9,
+                                      ring_block_s_per_token2=1e-9, p2p_latency_s=1e-4,
+                                      p2p_s_per_byte=1e-9, micro_batch_overhead_s=1e-3)
+    setup = setup_from_parallel_groups(groups, cost=provisional, dynamic=par.dynamic_cp,
+                                       static_cp=par.cp, impl=par.cp_impl)
+    trainer = Trainer(cfg, device, context_parallel=setup, peak_flops=peak)
+    load_or_calibrate(os.path.join(cfg.job.output_dir, cfg.job.name, "cp-calibration"), trainer)
+    return trainer, _replicas(groups.dp_cp)
+
+
+def _replicas(group: dist.ProcessGroup | None) -> Replicas:
+    if group is None:
+        return Replicas(0, 1, None)
+    return Replicas(dist.get_rank(group), dist.get_world_size(group), group)
