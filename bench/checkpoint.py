@@ -37,40 +37,29 @@ On a GPU (`--device cuda`, or auto) the state lives on the device and every copy
 device-to-host (longrun and the floor into pinned buffers). Timings on a shared machine are
 noisy: the summary prints the load average, and `--threads 1` avoids the intra-op copy threads
 stalling on a busy core; `--reps` for more repeats.
+The methods themselves are in bench/_checkpoint_methods.py.
 Progress goes to stderr; the last line on stdout is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
+from _checkpoint_methods import METHODS, Bench
+from _common import logger, parser
 
-from longrun.checkpoint.writer import fsync_dir  # a durable save also syncs its directory
-
-METHODS = ("longrun", "sync", "dcp", "dcp_cached", "memcpy")
-
-
-def log(msg: str) -> None:
-    print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
+log = logger("checkpoint")
 
 
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
-
-
-def sync_device() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def job_config(root: str, layers: int, dim: int, device: str):
@@ -86,150 +75,6 @@ def job_config(root: str, layers: int, dim: int, device: str):
         "training": {"steps": 10, "warmup_steps": 1},
         "checkpoint": {"dir": os.path.join(root, "longrun"), "keep_last": 1},
     })
-
-
-def evict(path: str) -> None:
-    """Drop the (clean, fsynced) pages of every file under `path` from the page cache, so the
-    next read comes from the disk. No root needed."""
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-
-
-def same_weights(a, b) -> bool:
-    sa, sb = a.model.state_dict(), b.model.state_dict()
-    return all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-# --- the methods ------------------------------------------------------------------------------
-
-
-class Bench:
-    def __init__(self, trainer, fresh, ckpt, root: str):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        from longrun.checkpoint.snapshot import tensors_of
-
-        self.trainer, self.fresh, self.ckpt, self.root = trainer, fresh, ckpt, root
-        self.dcp_save = dcp.async_save
-        self.on_gpu = trainer.device.type == "cuda"
-        # async_save's own default when no stager is given (synchronous staging, no shared
-        # memory), but kept, so its storages are cached; pinned on a GPU like longrun's buffers.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.on_gpu, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
-        self.sources = [t.detach() for _, t in tensors_of(trainer.state_dict())]
-        self.buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.on_gpu)
-                        for t in self.sources]
-        self.rows: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-        self.first: dict[str, float] = {}
-
-    def clean(self, path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
-        gc.collect()
-
-    def longrun(self) -> dict[str, float]:
-        ckpt = self.ckpt
-        ckpt.flush()  # the previous save is committed: steady state, not waiting on it
-        sync_device()
-        start = time.perf_counter()
-        returned = ckpt.save(self.trainer)
-        ckpt.before_update()  # a GPU copy still in flight must finish before the optimizer
-        blocking = time.perf_counter() - start
-        result = ckpt.flush()
-        e2e = time.perf_counter() - start
-        if result is None or not result.committed:
-            raise RuntimeError(f"the longrun save did not commit: {result}")
-        evict(ckpt.root)
-        start = time.perf_counter()
-        restored = ckpt.restore(self.fresh)
-        sync_device()
-        restore = time.perf_counter() - start
-        if restored is None or not same_weights(self.trainer, self.fresh):
-            raise RuntimeError("the longrun restore did not reproduce the saved weights")
-        start = time.perf_counter()
-        ckpt.restore(self.fresh)
-        sync_device()
-        restore_warm = time.perf_counter() - start
-        self.clean(ckpt.root)
-        return {"blocking_s": blocking, "save_return_s": returned, "e2e_s": e2e,
-                "write_s": result.write_s, "restore_s": restore, "restore_warm_s": restore_warm}
-
-    def sync(self) -> dict[str, float]:
-        folder = os.path.join(self.root, "sync")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, "state.pt")
-        sync_device()
-        start = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save(self.trainer.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(folder)
-        blocking = time.perf_counter() - start
-        evict(folder)
-        start = time.perf_counter()
-        self.fresh.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        sync_device()
-        restore = time.perf_counter() - start
-        self.clean(folder)
-        return {"blocking_s": blocking, "e2e_s": blocking, "restore_s": restore}
-
-    def _dcp(self, name: str, stager) -> dict[str, float]:
-        folder = os.path.join(self.root, name)
-        sync_device()
-        start = time.perf_counter()
-        kwargs = {} if stager is None else {"async_stager": stager}
-        future = self.dcp_save(self.trainer.state_dict(), checkpoint_id=folder, **kwargs)
-        blocking = time.perf_counter() - start
-        future.result()
-        e2e = time.perf_counter() - start
-        self.clean(folder)
-        return {"blocking_s": blocking, "e2e_s": e2e}
-
-    def dcp_default(self) -> dict[str, float]:
-        return self._dcp("dcp", None)
-
-    def dcp_cached(self) -> dict[str, float]:
-        return self._dcp("dcp_cached", self.stager)
-
-    def memcpy(self) -> dict[str, float]:
-        sync_device()
-        start = time.perf_counter()
-        for dst, src in zip(self.buffers, self.sources, strict=True):
-            dst.copy_(src, non_blocking=self.on_gpu)
-        sync_device()
-        return {"blocking_s": time.perf_counter() - start}
-
-    def run(self, method: str) -> dict[str, float]:
-        row = getattr(self, "dcp_default" if method == "dcp" else method)()
-        gc.collect()
-        return row
-
-    def breakdown(self, reps: int) -> dict[str, float]:
-        """Where longrun's blocking time goes, with the writer idle: building the state dict,
-        and the stage copy (HostStager.stage of the same shards save() stages, until ready)."""
-        from longrun.checkpoint.manifest import model_shard_name, rank_shard_name, split_state
-
-        self.ckpt.flush()
-        times: dict[str, list[float]] = {"state_dict_s": [], "stage_s": []}
-        for _ in range(reps):
-            start = time.perf_counter()
-            state = self.trainer.state_dict()
-            times["state_dict_s"].append(time.perf_counter() - start)
-            replicated, per_rank = split_state(state)
-            start = time.perf_counter()
-            snap = self.ckpt.stager.stage({rank_shard_name(0): per_rank, model_shard_name(0): replicated})
-            snap.wait()
-            times["stage_s"].append(time.perf_counter() - start)
-        return {k: statistics.median(v) for k, v in times.items()}
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -252,24 +97,20 @@ def build(root: str, layers: int, dim: int, device: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~0.3 GB state (2 layers), 2 reps")
-    parser.add_argument("--reps", type=int, default=None, help="repeats per method (median reported)")
-    parser.add_argument("--layers", type=int, default=None, help="model layers (default 8; quick 2)")
-    parser.add_argument("--dim", type=int, default=1024, help="model width (a multiple of 128)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where the training state lives (cuda: device-to-pinned-host staging)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's own, one per core)")
-    parser.add_argument("--dir", default=None,
-                        help="local-disk directory for the checkpoints (default: the temp dir)")
-    args = parser.parse_args()
+    cli = parser(__doc__)
+    cli.add_argument("--quick", action="store_true", help="~0.3 GB state (2 layers), 2 reps")
+    cli.add_argument("--reps", type=int, default=None, help="repeats per method (median reported)")
+    cli.add_argument("--layers", type=int, default=None, help="model layers (default 8; quick 2)")
+    cli.add_argument("--dim", type=int, default=1024, help="model width (a multiple of 128)")
+    cli.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="where the training state lives (cuda: device-to-pinned-host staging)")
+    cli.add_argument("--threads", type=int, default=None,
+                     help="torch intra-op threads (default: torch's own, one per core)")
+    cli.add_argument("--dir", default=None,
+                     help="local-disk directory for the checkpoints (default: the temp dir)")
+    args = cli.parse_args()
     reps = args.reps or (2 if args.quick else 3)
     layers = args.layers or (2 if args.quick else 8)
-
-    import torch.distributed as dist
-
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -277,9 +118,20 @@ def main() -> None:
     os.makedirs(parent, exist_ok=True)
     root = tempfile.mkdtemp(prefix="longrun-bench-ckpt-", dir=parent)
     try:
+        summary, breakdown, nbytes, device = run(root, layers, args.dim, args.device, reps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report(summary, breakdown, nbytes, reps, device, (load_before, os.getloadavg()[0]))
+
+
+def run(root: str, layers: int, dim: int, device: str, reps: int):
+    """Every method, `reps` times, in a one-process gloo group (DCP needs one)."""
+    import torch.distributed as dist
+
+    try:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 1),
                                 rank=0, world_size=1)
-        trainer, fresh, ckpt = build(root, layers, args.dim, args.device)
+        trainer, fresh, ckpt = build(root, layers, dim, device)
         tensors = state_tensors(trainer)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         free = shutil.disk_usage(root).free
@@ -296,9 +148,7 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        shutil.rmtree(root, ignore_errors=True)
-    load = (load_before, os.getloadavg()[0])
-    report(summary, breakdown, nbytes, reps, str(trainer.device), load)
+    return summary, breakdown, nbytes, str(trainer.device)
 
 
 def state_tensors(trainer) -> list[Any]:

@@ -23,20 +23,17 @@ Progress goes to stderr; the last line on stdout is one JSON object:
 
 from __future__ import annotations
 
-import argparse
 import json
-import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+from _common import logger, parser
 
+from longrun.testing.worlds import World
 
-def log(msg: str) -> None:
-    print(f"[dynamic_cp] {msg}", file=sys.stderr, flush=True)
+log = logger("dynamic_cp")
 
 
 # --- global batches ----------------------------------------------------------------------------
@@ -84,25 +81,26 @@ def config(args, world: int):
     })
 
 
-def rank_main(rank: int, world: int, init_file: str, args, calib_dir: str, results) -> None:
-    import torch
-    import torch.distributed as dist
+def build_trainers(rank: int, world: int, args, calib_dir: str):
+    """A static-CP and a dynamic-CP trainer of the same model, over the same groups (formed
+    on the world this rank joined); the cost model both plan with."""
+    from dataclasses import replace
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from longrun.commgroup import form_groups, single_node_layout
     from longrun.trainer import Trainer
-    from longrun.trainer.cp.batches import build_setup, plan_step
+    from longrun.trainer.cp.batches import setup_from_parallel_groups
     from longrun.trainer.cp.calibration import load_or_calibrate
     from longrun.trainer.cp.planner import CostModel
 
     cfg = config(args, world)
     b = args.budget
-    span = list(range(world))
     placeholder = CostModel.for_model(cfg.model, linear_s_per_token=1.0, attn_s_per_token2=0.0,
                                       ring_block_s_per_token2=0.0, p2p_latency_s=0.0,
                                       p2p_s_per_byte=0.0, micro_batch_overhead_s=0.0)
-    setups = {"static": build_setup(span, rank, cost=placeholder, dynamic=False, static_cp=world),
-              "dynamic": build_setup(span, rank, cost=placeholder, dynamic=True, static_cp=world)}
+    groups = form_groups(single_node_layout(cfg.dims), rank)  # every dynamic-CP size of the span
+    static = replace(cfg.dims, dynamic_cp=False)  # static CP over the whole span: cp = world
+    setups = {"static": setup_from_parallel_groups(groups, cost=placeholder, dims=static),
+              "dynamic": setup_from_parallel_groups(groups, cost=placeholder)}
     trainers = {k: Trainer(cfg, "cpu", context_parallel=s, progress=False) for k, s in setups.items()}
     # Calibrated once, through the static trainer (it has the full-width CP group), on lengths
     # typical of the data; both strategies plan with the same model.
@@ -110,6 +108,19 @@ def rank_main(rank: int, world: int, init_file: str, args, calib_dir: str, resul
                              mean=b // 2)
     cost = load_or_calibrate(calib_dir, trainers["static"], typical)
     setups["dynamic"].cost = cost
+    return setups, trainers, cost, groups
+
+
+def rank_main(rank: int, world: int, init_file: str, results, args, calib_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from longrun.trainer.cp.batches import plan_step
+
+    setups, trainers, cost, groups = build_trainers(rank, world, args, calib_dir)
+    b = args.budget
     rng = np.random.default_rng(42)  # the same batches on every rank
     batches = [megatron_batch(rng, world * b * args.accum, min_len=b // 16, max_len=b * world,
                               mean=b // 2) for _ in range(args.steps + 1)]
@@ -144,21 +155,13 @@ def rank_main(rank: int, world: int, init_file: str, args, calib_dir: str, resul
     dist.barrier()
     for t in trainers.values():
         t.close()
+    groups.teardown()
     dist.destroy_process_group()
 
 
 def measure(args, world: int, calib_dir: str) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = str(Path(tmp) / "init")
-        procs = [ctx.Process(target=rank_main, args=(r, world, init_file, args, calib_dir, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        out = results.get(timeout=3600)
-        for p in procs:
-            p.join()
+    with World(rank_main, world, args=(args, calib_dir)) as ranks:
+        [out] = ranks.run(1, timeout=3600)  # rank 0 reports for all
     static_s, dynamic_s = (statistics.mean(out["times"][k]) for k in ("static", "dynamic"))
     pred_static, pred_dynamic = (statistics.mean(out["predicted"][k]) for k in ("static", "dynamic"))
     errors = {k: statistics.mean(abs(p - m) / m for p, m in
@@ -225,17 +228,17 @@ def planning_time(cost) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", type=int, default=256, help="tokens per rank (measured part)")
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--accum", type=int, default=4, help="global batch = world x budget x accum")
-    parser.add_argument("--steps", type=int, default=4, help="timed global batches per world")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="real ranks to measure")
-    parser.add_argument("--quick", action="store_true", help="4 ranks only, 2 steps, 1 batch simulated")
-    args = parser.parse_args()
+    cli = parser(__doc__.split("\n")[0])
+    cli.add_argument("--budget", type=int, default=256, help="tokens per rank (measured part)")
+    cli.add_argument("--dim", type=int, default=128)
+    cli.add_argument("--layers", type=int, default=4)
+    cli.add_argument("--heads", type=int, default=4)
+    cli.add_argument("--kv-heads", type=int, default=2)
+    cli.add_argument("--accum", type=int, default=4, help="global batch = world x budget x accum")
+    cli.add_argument("--steps", type=int, default=4, help="timed global batches per world")
+    cli.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="real ranks to measure")
+    cli.add_argument("--quick", action="store_true", help="4 ranks only, 2 steps, 1 batch simulated")
+    args = cli.parse_args()
     worlds = [4] if args.quick else args.worlds
     if args.quick:
         args.steps = 2

@@ -17,32 +17,31 @@ Three measurements, each side by side in one run (gloo on CPU, spawned processes
            pattern of world + group initialisation (per group the root publishes an id,
            members read it, count in, and wait for the group to be complete) through the
            same torch Store API, against RedisStore and TCPStore (libuv).
+Every world is spawned by `longrun.testing.worlds.World` (a rank's own pipe for its results, so
+SIGKILLing ranks cannot wedge the harness); the store simulation is in bench/_group_init_store.py.
 Progress goes to stderr; the last line on stdout is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import multiprocessing as mp
 import os
-import signal
 import statistics
-import sys
 import threading
 import time
 from datetime import timedelta
 
-TIMEOUT = timedelta(seconds=120)
+from _common import listen_port, logger, parser
+from _group_init_store import TIMEOUT, measure_store
+
+from longrun.testing.worlds import CONTEXT, World
+
 LAYOUTS = {  # world -> (workers per node, dp, cp, tp, pp)
     8: (4, 2, 2, 2, 1),
     16: (4, 2, 2, 2, 2),
     32: (8, 4, 2, 2, 2),
 }
-
-
-def log(msg: str) -> None:
-    print(f"[group_init] {msg}", file=sys.stderr, flush=True)
+log = logger("group_init")
 
 
 def make(world: int):
@@ -60,19 +59,17 @@ def default_bringup(layout, rank: int, port: int):
     """TCPStore on rank 0, then every rank creates every group in the same order."""
     import torch.distributed as dist
 
-    from longrun.commgroup.init import _my_groups
-
     world = layout.world_size
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, TIMEOUT, wait_for_workers=False,
                           use_libuv=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     created = {tuple(range(world)): dist.group.WORLD}
-    everything = [g for kind in ("tp", "cp", "pp", "dp", "dp_cp") for g in layout.groups[kind]]
-    everything += [g for size in sorted(layout.dynamic_cp_groups) for g in layout.dynamic_cp_groups[size]]
+    # The group set longrun forms (tp/cp/pp/dp/dp_cp + dynamic-CP sizes), in its canonical order.
+    everything = [g for _name, groups in layout.named_groups for g in groups]
     for g in everything:
         if tuple(g) not in created:
             created[tuple(g)] = dist.new_group(g, timeout=TIMEOUT)  # non-members must call too
-    return {name: (created[tuple(members)], members) for name, members in _my_groups(layout, rank)}
+    return {name: (created[tuple(members)], members) for name, members in layout.groups_of(rank)}
 
 
 def check_named(rank: int, named) -> None:
@@ -89,7 +86,7 @@ def check_named(rank: int, named) -> None:
 # --- worker processes -------------------------------------------------------------------------
 
 
-def fresh_worker(rank, world, url, ports, reps, barrier, results):
+def fresh_worker(rank, world, init_file, results, url, ports, reps, barrier):
     import torch.distributed as dist
 
     from longrun.commgroup import check_groups, init_parallel_groups
@@ -120,7 +117,7 @@ def fresh_worker(rank, world, url, ports, reps, barrier, results):
     barrier.wait(timeout=600)
 
 
-def reform_worker(rank, world, url, attempt, results, job):
+def reform_worker(rank, world, init_file, results, url, attempt, job):
     """attempt 0: form, report, wait for the failure decision, re-form as attempt 1.
     attempt 1: a replacement spawned at the decision; joins attempt 1 directly.
     The decision comes through Redis, as from the controller (a multiprocessing.Event cannot
@@ -144,7 +141,7 @@ def reform_worker(rank, world, url, attempt, results, job):
     groups.teardown()
 
 
-def respawn_worker(rank, world, port, results, hold):
+def respawn_worker(rank, world, init_file, results, port, hold):
     layout = make(world)
     named = default_bringup(layout, rank, port)
     check_named(rank, named)
@@ -156,41 +153,11 @@ def respawn_worker(rank, world, port, results, hold):
 # --- measurements -----------------------------------------------------------------------------
 
 
-def listen_port() -> int:
-    """A free port below the ephemeral range. Ports picked now and bound later (the default
-    path's TCPStore, one per repeat) must not be taken in between by the thousands of
-    outgoing connections gloo opens, which draw from the ephemeral range."""
-    import random
-    import socket
-
-    low = 20000
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = min(low, int(f.read().split()[0]) - 2000)
-    except OSError:
-        pass
-    for _ in range(1000):
-        port = random.randrange(max(low - 8000, 1024), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
-
-
 def measure_fresh(world: int, reps: int, url: str) -> dict:
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(world), ctx.Queue()
+    barrier = CONTEXT.Barrier(world)
     ports = [listen_port() for _ in range(reps + 1)]
-    procs = [ctx.Process(target=fresh_worker, args=(r, world, url, ports, reps, barrier, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = [results.get(timeout=600) for _ in range(world * (reps + 1) * 2)]
-    for p in procs:
-        p.join(60)
+    with World(fresh_worker, world, args=(url, ports, reps, barrier)) as ranks:
+        rows = ranks.run(world * (reps + 1) * 2, timeout=3600)
     times = {"ours": [], "default": []}
     breakdown = []
     for path in times:
@@ -217,217 +184,47 @@ def measure_reform(world: int, url: str, reps: int) -> dict:
 
 
 def reform_once(world: int, url: str, rep: int) -> tuple[float, float]:
+    return reform_in_place(world, url, rep), reform_by_respawn(world)
 
-    ctx = mp.get_context("spawn")
-    victim = world // 2 + 1
 
+def reform_in_place(world: int, url: str, rep: int) -> float:
+    """longrun: survivors re-form in place, one replacement is spawned at the decision."""
     from longrun.commgroup.store import RedisStore
 
-    # longrun: survivors re-form in place, one replacement is spawned at the decision.
-    results = ctx.Queue()
+    victim = world // 2 + 1
     job = f"reform{world}-{rep}"
     control = RedisStore(url, f"control:{job}:")
-    procs = [ctx.Process(target=reform_worker, args=(r, world, url, 0, results, job)) for r in range(world)]
-    for p in procs:
-        p.start()
-    formed = {r: pid for _, r, pid, _ in (results.get(timeout=600) for _ in range(world))}
-    os.kill(formed[victim], signal.SIGKILL)
-    decision = time.time()
-    control.set("go", b"1")
-    replacement = ctx.Process(target=reform_worker, args=(victim, world, url, 1, results, job))
-    replacement.start()
-    done = [results.get(timeout=600) for _ in range(world)]
-    ours = max(t for *_, t in done) - decision
-    for p in [*procs, replacement]:
-        p.join(60)
-
-    # default: kill everything, respawn the world, TCPStore + every group again.
-    results = ctx.Queue()
-    port = listen_port()
-    procs = [ctx.Process(target=respawn_worker, args=(r, world, port, results, True)) for r in range(world)]
-    for p in procs:
-        p.start()
-    [results.get(timeout=600) for _ in range(world)]
-    for p in procs:
-        os.kill(p.pid, signal.SIGKILL)
-    decision = time.time()
-    port = listen_port()
-    procs = [ctx.Process(target=respawn_worker, args=(r, world, port, results, False)) for r in range(world)]
-    for p in procs:
-        p.start()
-    done = [results.get(timeout=600) for _ in range(world)]
-    respawn = max(t for *_, t in done) - decision
-    for p in procs:
-        p.join(60)
-    return ours, respawn
+    with World(reform_worker, world, args=(url, 0, job), timeout=600) as ranks:
+        ranks.start()
+        ranks.collect(world)  # every rank formed attempt 0
+        ranks.kill(victim)
+        decision = time.time()
+        control.set("go", b"1")
+        ranks.start([victim], args=(url, 1, job))
+        done = ranks.collect(world)
+        ranks.join()
+    return max(t for *_, t in done) - decision
 
 
-def sim_plan(ranks: int, mine: range):
-    """Per simulated rank: writes (phase 1) and reads (phase 2) of the init key pattern."""
-    from longrun.commgroup import NodeSpec, ParallelDims, make_layout
-    from longrun.commgroup.init import _my_groups
-
-    dp = ranks // 32
-    layout = make_layout([NodeSpec(f"n{i:05d}") for i in range(ranks // 8)], 8,
-                         ParallelDims(dp=dp, cp=2, tp=8, pp=2))
-    plan = []
-    for r in mine:
-        groups = [(f"{name}:{members[0]}", members) for name, members in _my_groups(layout, r)]
-        plan.append((r, groups))
-    return plan, len(plan[0][1])
-
-
-def sim_worker(index, procs, threads, ranks, kind, address, start_barrier, phase_barrier, results):
-    import torch.distributed as dist
-
-    from longrun.commgroup.store import RedisStore
-
-    per_proc = ranks // procs
-    plan, n_groups = sim_plan(ranks, range(index * per_proc, (index + 1) * per_proc))
-    chunks = [plan[t::threads] for t in range(threads)]
-
-    def client():
-        if kind.startswith("redis"):
-            return RedisStore(address, f"sim:{ranks}:", TIMEOUT)
-        return dist.TCPStore("127.0.0.1", address, None, False, TIMEOUT, wait_for_workers=False,
-                             use_libuv=True)
-
-    stores = [client() for _ in range(threads)]
-    uid = os.urandom(128)  # the size of an NCCL unique id
-    if kind == "redis-pipelined":
-        writes_p, reads_p = _pipelined(uid)
-
-    def writes(store, chunk):
-        for r, groups in chunk:
-            if r == 0:
-                store.set("world/uid", uid)
-            for name, members in groups:
-                if members[0] == r:
-                    store.set(f"{name}/uid", uid)
-                if store.add(f"{name}/in", 1) == len(members):
-                    store.set(f"{name}/done", b"1")
-
-    def reads(store, chunk):
-        for _r, groups in chunk:
-            store.get("world/uid")
-            for name, _members in groups:
-                store.get(f"{name}/uid")
-                store.wait([f"{name}/done"])
-
-    def run(fn):
-        ts = [threading.Thread(target=fn, args=(s, c)) for s, c in zip(stores, chunks, strict=True)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-
-    start_barrier.wait()
-    start = time.time()
-    run(writes_p if kind == "redis-pipelined" else writes)
-    phase_barrier.wait()
-    run(reads_p if kind == "redis-pipelined" else reads)
-    results.put((index, start, time.time(), n_groups))
-
-
-def _pipelined(uid: bytes, batch: int = 512):
-    """The same server commands RedisStore.set/add/get/wait send (its Lua scripts, GET,
-    EXISTS), issued in pipelines of `batch`: how a process multiplexing many simulated ranks
-    keeps the Python client from being the bottleneck. Uses RedisStore's internals on purpose."""
-
-    def flush(store, calls):
-        pipe = store._client.pipeline(transaction=False)
-        for fn in calls:
-            fn(pipe)
-        return pipe.execute()
-
-    def write(store, script, key, value):
-        """One RedisStore write (its Lua script on the value and signal keys), queued on a pipe."""
-        return lambda pipe: script(keys=[store._k(key), store._s(key)], args=[value], client=pipe)
-
-    def writes(store, chunk):
-        calls, sizes = [], []
-        for r, groups in chunk:
-            if r == 0:
-                calls.append(write(store, store._set, "world/uid", uid))
-                sizes.append(None)
-            for name, members in groups:
-                if members[0] == r:
-                    calls.append(write(store, store._set, f"{name}/uid", uid))
-                    sizes.append(None)
-                calls.append(write(store, store._add, f"{name}/in", 1))
-                sizes.append((name, len(members)))
-        done = []
-        for i in range(0, len(calls), batch):
-            out = flush(store, calls[i:i + batch])
-            for size, value in zip(sizes[i:i + batch], out, strict=True):
-                if size is not None and int(value) == size[1]:  # the last member counted in
-                    done.append(write(store, store._set, f"{size[0]}/done", b"1"))
-        for i in range(0, len(done), batch):
-            flush(store, done[i:i + batch])
-
-    def reads(store, chunk):
-        names = []
-        for _r, groups in chunk:
-            names.append(("get", "world/uid"))
-            for name, _members in groups:
-                names += [("get", f"{name}/uid"), ("exists", f"{name}/done")]
-        for i in range(0, len(names), batch):
-            pipe = store._client.pipeline(transaction=False)
-            for op, key in names[i:i + batch]:
-                getattr(pipe, op)(store._k(key))
-            if not all(pipe.execute()):
-                raise RuntimeError("a simulated rank read a key that was never written")
-
-    return writes, reads
-
-
-def measure_store(ranks: int, redis_url: str) -> dict:
-    import torch.distributed as dist
-
-    from longrun.commgroup.store import RedisStore
-
-    ctx = mp.get_context("spawn")
-    procs_n, threads = 2, 16
-    out = {"redis": float("nan")}
-    # One-call-at-a-time RedisStore from 32 Python threads is bound by the Python client's
-    # CPU on 2 cores (linear in ranks); it is measured up to 4,096 ranks and skipped above.
-    kinds = ("redis", "redis-pipelined", "tcpstore") if ranks <= 4096 else ("redis-pipelined", "tcpstore")
-    for kind in kinds:
-        server = None
-        if kind.startswith("redis"):
-            address = redis_url
-            RedisStore(redis_url, f"sim:{ranks}:").delete_namespace()
-        else:
-            address = listen_port()
-            server = dist.TCPStore("127.0.0.1", address, None, True, TIMEOUT, wait_for_workers=False,
-                                   use_libuv=True)
-        start_b, phase_b, results = ctx.Barrier(procs_n), ctx.Barrier(procs_n), ctx.Queue()
-        procs = [ctx.Process(target=sim_worker, args=(i, procs_n, threads, ranks, kind, address, start_b,
-                                                      phase_b, results)) for i in range(procs_n)]
-        for p in procs:
-            p.start()
-        rows = [results.get(timeout=1800) for _ in procs]
-        for p in procs:
-            p.join(60)
-        out[kind] = max(r[2] for r in rows) - min(r[1] for r in rows)
-        out["groups_per_rank"] = rows[0][3]
-        del server
-    log(f"store {ranks} simulated ranks x {out['groups_per_rank']} groups: RedisStore {out['redis']:.2f} s "
-        f"(pipelined {out['redis-pipelined']:.2f} s), TCPStore {out['tcpstore']:.2f} s")
-    return {"ranks": ranks, "groups_per_rank": out["groups_per_rank"],
-            "redis_s": round(out["redis-pipelined"], 3),
-            "redis_store_api_s": round(out["redis"], 3) if out["redis"] == out["redis"] else None,
-            "tcpstore_s": round(out["tcpstore"], 3)}
+def reform_by_respawn(world: int) -> float:
+    """The default path: kill every process, respawn the world, TCPStore + every group again."""
+    with World(respawn_worker, world, args=(listen_port(), True), timeout=600) as running:
+        running.start()
+        running.collect(world)  # the job is up
+        running.kill_all()
+        decision = time.time()
+    with World(respawn_worker, world, args=(listen_port(), False), timeout=600) as respawned:
+        done = respawned.run()
+    return max(t for *_, t in done) - decision
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="world 8 only, store 1,024 ranks")
-    parser.add_argument("--reps", type=int, default=None, help="fresh bring-up repeats (median reported)")
-    parser.add_argument("--only", choices=("fresh", "reform", "store"), action="append",
-                        help="run only these measurements (repeatable); default: all three")
-    args = parser.parse_args()
+    cli = parser(__doc__)
+    cli.add_argument("--quick", action="store_true", help="world 8 only, store 1,024 ranks")
+    cli.add_argument("--reps", type=int, default=None, help="fresh bring-up repeats (median reported)")
+    cli.add_argument("--only", choices=("fresh", "reform", "store"), action="append",
+                     help="run only these measurements (repeatable); default: all three")
+    args = cli.parse_args()
     worlds = [8] if args.quick else [8, 16, 32]
     reform_world = 8 if args.quick else 16
     store_ranks = [1024] if args.quick else [1024, 4096, 16384]
@@ -442,6 +239,12 @@ def main() -> None:
         reform_reps = 1 if args.quick else 3
         reform = measure_reform(reform_world, server.url, reform_reps) if "reform" in only else None
         store = [measure_store(n, server.url) for n in store_ranks] if "store" in only else []
+    print_table(fresh, reform, store)
+    print(json.dumps({"reform": reform, "fresh": fresh[-1] if fresh else None,
+                      "store": store[-1] if store else None, "fresh_all": fresh, "store_all": store}))
+
+
+def print_table(fresh: list[dict], reform: dict | None, store: list[dict]) -> None:
     print(f"{'measurement':<28}{'longrun':>12}{'baseline':>12}{'ratio':>8}")
     for f in fresh:
         print(f"{'fresh world ' + str(f['world']):<28}{f['ours_s']:>11.3f}s{f['torch_default_s']:>11.3f}s"
@@ -455,8 +258,6 @@ def main() -> None:
         if s["redis_store_api_s"] is not None:
             print(f"{'store ' + str(s['ranks']) + ' ranks (Store API)':<28}{s['redis_store_api_s']:>11.2f}s"
                   f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_store_api_s']:>8.2f}")
-    print(json.dumps({"reform": reform, "fresh": fresh[-1] if fresh else None,
-                      "store": store[-1] if store else None, "fresh_all": fresh, "store_all": store}))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import statistics
 import sys
 
 import torch
+from _common import logger, parser
 
 from longrun.config import config_from_dict
 from longrun.trainer import Trainer
@@ -56,10 +57,7 @@ MODEL_TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_
               "vocab_size": 260}
 TINY_PEAK = 1e12  # placeholder for the CPU dry run
 ATTENTION_OPS = ("attention", "attn", "flash", "varlen", "scaled_dot_product")
-
-
-def log(msg: str) -> None:
-    print(f"[mfu_gpu] {msg}", file=sys.stderr, flush=True)
+log = logger("mfu_gpu")
 
 
 def make_config(model: dict, device: str, tokens: int, grad_accum: int, steps: int):
@@ -91,20 +89,23 @@ def profiled_attention_ops(trainer: Trainer) -> dict[str, int | str]:
             if any(word in e.key.lower() for word in ATTENTION_OPS)}
 
 
+def parse_args():
+    cli = parser(__doc__)
+    cli.add_argument("--quick", action="store_true", help="2 warm-up + 4 timed steps")
+    cli.add_argument("--warmup", type=int, default=None, help="warm-up steps; default 3 (--quick 2)")
+    cli.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (--quick 4)")
+    cli.add_argument("--tokens", type=int, default=8192, help="data.micro_batch_tokens (default 8192)")
+    cli.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default 4)")
+    cli.add_argument("--layers", type=int, default=MODEL_1B["n_layers"], help="model.n_layers")
+    cli.add_argument("--peak-tflops", type=float, default=None,
+                     help="the GPU's bf16 dense peak in TFLOP/s (overrides the table)")
+    cli.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    cli.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    return cli.parse_args()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 warm-up + 4 timed steps")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps; default 3 (--quick 2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (--quick 4)")
-    parser.add_argument("--tokens", type=int, default=8192, help="data.micro_batch_tokens (default 8192)")
-    parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default 4)")
-    parser.add_argument("--layers", type=int, default=MODEL_1B["n_layers"], help="model.n_layers")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="the GPU's bf16 dense peak in TFLOP/s (overrides the table)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
-    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -119,16 +120,7 @@ def main() -> None:
         model, tokens, grad_accum = {**MODEL_1B, "n_layers": args.layers}, args.tokens, args.grad_accum
         warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
         steps = args.steps or (4 if args.quick else 10)
-
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    if args.peak_tflops:
-        peak, source = args.peak_tflops * 1e12, "--peak-tflops"
-    elif args.device == "cuda":
-        peak, source = peak_for(gpu), "table"
-    else:
-        peak, source = TINY_PEAK, "dry-run placeholder"
-    if peak is None:
-        log(f"{gpu!r} is not in the peak-FLOPs table; MFU will be null (give --peak-tflops)")
+    gpu, peak, source = peak_of(args)
 
     cfg = make_config(model, args.device, tokens, grad_accum, warmup + steps + 1)
     trainer = Trainer(cfg, peak_flops=peak, progress=False)
@@ -137,22 +129,8 @@ def main() -> None:
     log(f"{gpu}: peak {peak / 1e12 if peak else float('nan'):.1f} TFLOP/s ({source}); model {model}: "
         f"{n_params:,} parameters, {n_body:,} without the embedding; {tokens} tokens x {grad_accum} "
         f"micro-batches per step, bf16; {warmup} warm-up + {steps} timed steps")
-
-    timed = []
     try:
-        for i in range(warmup + steps):
-            m = trainer.train_step()
-            phase = "warm-up" if i < warmup else "timed"
-            mfu = f"{100 * m.mfu:.1f}%" if m.mfu is not None else "n/a"
-            log(f"step {m.step} ({phase}): {m.step_time_s * 1e3:.0f} ms, {m.tokens_per_s:,.0f} tok/s, "
-                f"mfu {mfu}, loss {m.loss:.3f}, data wait {m.data_wait_s * 1e3:.1f} ms, "
-                f"mem {m.memory_bytes / 2**30:.1f} GiB")
-            if i >= warmup:
-                timed.append(m)
-        try:  # the profiler is a diagnostic: the measurement stands without it
-            ops = profiled_attention_ops(trainer)
-        except Exception as exc:
-            ops = {"profiler failed": f"{type(exc).__name__}: {exc}"}
+        timed, ops = train(trainer, warmup, steps)
     finally:
         trainer.close()
 
@@ -177,6 +155,39 @@ def main() -> None:
                    "data": "synthetic", "warmup": warmup, "steps": steps, "torch": torch.__version__},
         "dry_run": args.device == "cpu",
     }))
+
+
+def peak_of(args) -> tuple[str, float | None, str]:
+    """(device name, bf16 dense peak FLOP/s or None, where the peak came from)."""
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.peak_tflops:
+        peak, source = args.peak_tflops * 1e12, "--peak-tflops"
+    elif args.device == "cuda":
+        peak, source = peak_for(gpu), "table"
+    else:
+        peak, source = TINY_PEAK, "dry-run placeholder"
+    if peak is None:
+        log(f"{gpu!r} is not in the peak-FLOPs table; MFU will be null (give --peak-tflops)")
+    return gpu, peak, source
+
+
+def train(trainer: Trainer, warmup: int, steps: int) -> tuple[list, dict]:
+    """The warm-up and timed steps (the timed steps' metrics), then one profiled step's ops."""
+    timed = []
+    for i in range(warmup + steps):
+        m = trainer.train_step()
+        phase = "warm-up" if i < warmup else "timed"
+        mfu = f"{100 * m.mfu:.1f}%" if m.mfu is not None else "n/a"
+        log(f"step {m.step} ({phase}): {m.step_time_s * 1e3:.0f} ms, {m.tokens_per_s:,.0f} tok/s, "
+            f"mfu {mfu}, loss {m.loss:.3f}, data wait {m.data_wait_s * 1e3:.1f} ms, "
+            f"mem {m.memory_bytes / 2**30:.1f} GiB")
+        if i >= warmup:
+            timed.append(m)
+    try:  # the profiler is a diagnostic: the measurement stands without it
+        ops = profiled_attention_ops(trainer)
+    except Exception as exc:
+        ops = {"profiler failed": f"{type(exc).__name__}: {exc}"}
+    return timed, ops
 
 
 if __name__ == "__main__":

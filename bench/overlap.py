@@ -18,22 +18,17 @@ Progress goes to stderr; the last line on stdout is one JSON object (rank 0's me
 
 from __future__ import annotations
 
-import argparse
 import json
-import multiprocessing as mp
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+from _common import logger, parser
+
+from longrun.testing.worlds import World
 
 BUCKET_MB = 25.0
-
-
-def log(msg: str) -> None:
-    print(f"[overlap] {msg}", file=sys.stderr, flush=True)
+log = logger("overlap")
 
 
 def config(args):
@@ -90,7 +85,7 @@ def bucketed_all_reduce(grads, group) -> None:
             offset += g.numel()
 
 
-def rank_main(rank: int, world: int, init_file: str, args, results) -> None:
+def rank_main(rank: int, world: int, init_file: str, results, args) -> None:
     import torch
     import torch.distributed as dist
 
@@ -143,28 +138,19 @@ def rank_main(rank: int, world: int, init_file: str, args, results) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch per rank")
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="4 rounds")
-    args = parser.parse_args()
+    cli = parser(__doc__.split("\n")[0])
+    cli.add_argument("--world", type=int, default=2)
+    cli.add_argument("--dim", type=int, default=512)
+    cli.add_argument("--layers", type=int, default=4)
+    cli.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch per rank")
+    cli.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    cli.add_argument("--rounds", type=int, default=10)
+    cli.add_argument("--quick", action="store_true", help="4 rounds")
+    args = cli.parse_args()
     if args.quick:
         args.rounds = 4
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = str(Path(tmp) / "init")
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, init_file, args, results))
-                 for r in range(args.world)]
-        for p in procs:
-            p.start()
-        out = sorted((results.get(timeout=1800) for _ in procs), key=lambda r: r[0])
-        for p in procs:
-            p.join()
+    with World(rank_main, args.world, args=(args,)) as world:
+        out = sorted(world.run(timeout=1800), key=lambda r: r[0])
     medians, n_params = out[0][1], out[0][2]
     hidden = (medians["after"] - medians["longrun"]) / medians["comm"]
     log(f"{n_params:,} parameters ({n_params * 4 / 2**20:.0f} MiB of fp32 gradients), "

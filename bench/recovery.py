@@ -30,7 +30,6 @@ Progress goes to stderr; the last line on stdout is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -39,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import parser
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 workers share the cores; raylets pass it on
@@ -167,10 +168,10 @@ def median(runs: list[dict], key: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one run of each fault; no Ray Train hang")
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+    cli = parser(__doc__.split("\n")[0])
+    cli.add_argument("--quick", action="store_true", help="one run of each fault; no Ray Train hang")
+    cli.add_argument("--reps", type=int, default=3)
+    args = cli.parse_args()
     reps = 1 if args.quick else args.reps
     if not args.quick:
         os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = "60"
@@ -182,38 +183,49 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from longrun.services import EmbeddedRedis
-
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for _ in range(3):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    results: dict[str, dict[str, list[dict]]] = {"longrun": {}, "longrun_cold": {}, "ray_train": {}}
     try:
-        with EmbeddedRedis() as redis_server, tempfile.TemporaryDirectory(prefix="longrun-bench-") as tmp:
-            for rep in range(reps):
-                for fault in ("kill", "hang"):
-                    say(f"rep {rep + 1}/{reps}: longrun, {fault}")
-                    r = run_longrun(fault, redis_server.url, f"{tmp}/lr-{fault}-{rep}", rep)
-                    say(f"  -> {r}")
-                    results["longrun"].setdefault(fault, []).append(r)
-                    if fault == "kill":  # what the warm spares buy: the same fault without them
-                        say(f"rep {rep + 1}/{reps}: longrun without spares, {fault}")
-                        r = run_longrun(fault, redis_server.url, f"{tmp}/cold-{fault}-{rep}", rep,
-                                        spares=False)
-                        say(f"  -> {r}")
-                        results["longrun_cold"].setdefault(fault, []).append(r)
-                    if fault == "hang" and args.quick:
-                        continue
-                    say(f"rep {rep + 1}/{reps}: Ray Train, {fault}")
-                    r = run_ray_train(fault, f"{tmp}/rt-{fault}-{rep}", rep)
-                    say(f"  -> {r}")
-                    results["ray_train"].setdefault(fault, []).append(r)
+        results = run_all(reps, args.quick)
     finally:
         ray.shutdown()
         cluster.shutdown()
+    print_table(results)
+    print(json.dumps(summarize(results, reps)))
 
+
+def run_all(reps: int, quick: bool) -> dict[str, dict[str, list[dict]]]:
+    """Every run, by system and fault: longrun (with and without spares) and Ray Train."""
+    from longrun.services import EmbeddedRedis
+
+    results: dict[str, dict[str, list[dict]]] = {"longrun": {}, "longrun_cold": {}, "ray_train": {}}
+
+    def record(system: str, fault: str, label: str, fn, *args, **kwargs) -> None:
+        say(label)
+        r = fn(*args, **kwargs)
+        say(f"  -> {r}")
+        results[system].setdefault(fault, []).append(r)
+
+    with EmbeddedRedis() as redis_server, tempfile.TemporaryDirectory(prefix="longrun-bench-") as tmp:
+        url = redis_server.url
+        for rep in range(reps):
+            for fault in ("kill", "hang"):
+                record("longrun", fault, f"rep {rep + 1}/{reps}: longrun, {fault}",
+                       run_longrun, fault, url, f"{tmp}/lr-{fault}-{rep}", rep)
+                if fault == "kill":  # what the warm spares buy: the same fault without them
+                    record("longrun_cold", fault, f"rep {rep + 1}/{reps}: longrun without spares, {fault}",
+                           run_longrun, fault, url, f"{tmp}/cold-{fault}-{rep}", rep, spares=False)
+                if fault == "hang" and quick:
+                    continue
+                record("ray_train", fault, f"rep {rep + 1}/{reps}: Ray Train, {fault}",
+                       run_ray_train, fault, f"{tmp}/rt-{fault}-{rep}", rep)
+    return results
+
+
+def print_table(results: dict[str, dict[str, list[dict]]]) -> None:
     lr, cold, rt = results["longrun"], results["longrun_cold"], results["ray_train"]
     say("\n| fault | system | detect s | recover s | fault -> first step s | steps lost |")
     say("| --- | --- | --- | --- | --- | --- |")
@@ -228,6 +240,10 @@ def main() -> None:
         if fault in rt:
             say(f"| {fault} | Ray Train | <= {median(rt[fault], 'detect_s'):.2f} | | "
                 f"{median(rt[fault], 'to_step_s'):.2f} | {median(rt[fault], 'steps_lost'):g} |")
+
+
+def summarize(results: dict[str, dict[str, list[dict]]], reps: int) -> dict:
+    lr, cold, rt = results["longrun"], results["longrun_cold"], results["ray_train"]
     summary = {
         "detect_kill_s": round(median(lr["kill"], "detect_s"), 3),
         "detect_hang_s": round(median(lr["hang"], "detect_s"), 3),
@@ -245,7 +261,7 @@ def main() -> None:
         summary["ray_train_hang_to_step_s"] = round(median(rt["hang"], "to_step_s"), 3)
         summary["vs_ray_train_hang"] = round(
             median(rt["hang"], "to_step_s") / median(lr["hang"], "to_step_s"), 2)
-    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,14 +1,24 @@
 """Redis key names, in one place.
 
-Everything a job writes lives under `longrun:{job}:`. What belongs to one attempt (the
-rendezvous store, heartbeats) lives under `longrun:{job}:a{attempt}:` so a restarted attempt
-never reads a stale key and an ended attempt is deleted with one prefix scan. The job record
-(attempt counter, state, events) is job-wide: it must survive every attempt.
+Everything a job writes lives under `longrun:{job}:`. What belongs to one attempt lives under
+`longrun:{job}:a{attempt}:` so a restarted attempt never reads a stale key, and the controller
+deletes it all when the attempt ends (`delete_attempt_keys`): a week-long job restarts hundreds
+of times, and nothing there is read again. Under an attempt's prefix:
+
+    store:   the torch.distributed rendezvous store (keys and their signal streams)
+    hb:      heartbeats (they also expire on their own)
+    diag:    the per-node stores of the collective self-check
+    ckpt:    the checkpoint commit ledger (one hash per step)
+
+The job record (attempt counter, state, events, restarts, evictions, skips) is job-wide: it
+must survive every attempt, and it is what `longrun status` reads.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from typing import Any
 
 _SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -60,3 +70,49 @@ def heartbeat_key(job: str, attempt: int, rank: int) -> str:
 def store_prefix(job: str, attempt: int) -> str:
     """Prefix of the torch.distributed store of one attempt."""
     return f"{attempt_prefix(job, attempt)}store:"
+
+
+# -- deleting what ended attempts left behind ----------------------------------------------------
+_ATTEMPT = re.compile(r"^a(\d+):")
+
+
+def glob_escape(text: str) -> str:
+    """`text` as a literal in a Redis SCAN/KEYS glob pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def delete_matching(client: Any, pattern: str, batch: int = 1000) -> int:
+    """UNLINK every key matching `pattern` (a redis-py client), in batches; how many went."""
+    return _unlink(client, client.scan_iter(match=pattern, count=batch), batch)
+
+
+def delete_attempt_keys(client: Any, job: str, attempt: int) -> int:
+    """Everything one attempt owned (see the module docstring): called when the attempt ends,
+    once its workers are gone."""
+    return delete_matching(client, glob_escape(attempt_prefix(job, attempt)) + "*")
+
+
+def delete_attempts_before(client: Any, job: str, attempt: int, batch: int = 1000) -> int:
+    """Every key of the job's attempts numbered below `attempt`, in one scan: what a controller
+    that died mid-run left behind, deleted by the one that continues the job."""
+    prefix = job_prefix(job)
+
+    def older() -> Iterator[bytes | str]:
+        for key in client.scan_iter(match=glob_escape(prefix) + "a[0-9]*", count=batch):
+            name = key.decode() if isinstance(key, bytes) else key
+            found = _ATTEMPT.match(name[len(prefix):])
+            if found and int(found.group(1)) < attempt:
+                yield key
+    return _unlink(client, older(), batch)
+
+
+def _unlink(client: Any, found: Iterator[bytes | str], batch: int) -> int:
+    removed, chunk = 0, []
+    for key in found:
+        chunk.append(key)
+        if len(chunk) >= batch:
+            removed += client.unlink(*chunk)
+            chunk = []
+    if chunk:
+        removed += client.unlink(*chunk)
+    return removed

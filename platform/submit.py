@@ -1,38 +1,45 @@
 """Jobs on a Ray cluster through Ray's Jobs API: submit, status, logs, stop, list.
 
 `longrun submit CONFIG --address URL` validates the config here, first, so a typo costs
-nothing on the cluster. It then uploads the resolved config as the job's working directory and
-submits the controller as the job's entrypoint (`longrun run` against the cluster it runs on).
-Ray keeps the job running whether or not this client stays.
+nothing on the cluster. It then ships this machine's longrun with the job (shipping.py: the
+cluster's python need not have longrun, or the same version), uploads the resolved config as
+the job's working directory and submits the controller as the job's entrypoint: preflight.py,
+which checks the cluster's python has what longrun needs, then `longrun run` against the
+cluster it runs on. Ray keeps the job running whether or not this client stays.
 
-The controller prints its state changes, faults and decisions to its log, so `status` can
-report the controller's view from the job's log (state, attempt, step, evicted nodes, last
-events) next to Ray's view (the job's status). It needs no other service.
+`status` reports Ray's view of the job (its status) next to the controller's: the job record
+in Redis when this machine can read it, the controller's log otherwise (job_view.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import os
+import shlex
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longrun import job_view, shipping
 from longrun.config import JobConfig
 
 METADATA_KEY = "longrun.job"
-_STATE = re.compile(r"state (PENDING|PLACING|DIAGNOSING|RENDEZVOUS|RUNNING|RECOVERING|SUCCEEDED|"
-                    r"FAILED|STOPPED): (.*)")
-_STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
-_EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume): (.*)$")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+REDIS_KEY = "longrun.redis"  # the job's Redis URL, password masked ("" when embedded)
+VERSION_KEY = "longrun.version"  # what was shipped: version and source digest
+DEFAULT_PYTHON = "python3"
 
 
 class SubmitError(RuntimeError):
     """The cluster cannot be reached or refused the request; the message says which."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    id: str
+    shipment: shipping.Shipment
 
 
 def client(address: str):
@@ -45,67 +52,54 @@ def client(address: str):
         raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {exc}") from exc
 
 
-def submit(cfg: JobConfig, address: str) -> str:
-    """Submit the controller for `cfg`; returns the submission id."""
+def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submitted:
+    """Submit the controller for `cfg`, with this longrun shipped; `python` is the interpreter
+    the entrypoint runs with on the cluster (on its PATH, or a path there; default python3)."""
+    python = python or DEFAULT_PYTHON
     jobs = client(address)
-    staging = Path(tempfile.mkdtemp(prefix="longrun-submit-"))
-    (staging / "config.yaml").write_text(cfg.to_yaml())
     submission_id = f"longrun-{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # `python` of the cluster's environment (a cluster image, or the interpreter of an embedded
-    # head), not this client's path, which need not exist there.
-    entrypoint = "python -m longrun.cli run config.yaml --set cluster.address=auto"
-    try:
-        return jobs.submit_job(
-            entrypoint=entrypoint, submission_id=submission_id,
-            runtime_env={"working_dir": str(staging),
-                         "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}},
-            metadata={METADATA_KEY: cfg.job.name},
-        )
-    except RuntimeError as exc:
-        raise SubmitError(f"the cluster at {address} refused the job: {exc}") from exc
+    # The preflight runs the command line after it; the cluster's address is where it runs.
+    entrypoint = f"{shlex.quote(python)} -m longrun.preflight run config.yaml --set cluster.address=auto"
+    with tempfile.TemporaryDirectory(prefix="longrun-submit-") as tmp:
+        working_dir, modules = Path(tmp, "job"), Path(tmp, "modules")
+        working_dir.mkdir()
+        (working_dir / "config.yaml").write_text(cfg.to_yaml())
+        shipment = shipping.stage(modules)
+        shipping.write_manifest(shipment, working_dir)
+        redis_url = cfg.cluster.redis_url
+        try:
+            jobs.submit_job(
+                entrypoint=entrypoint, submission_id=submission_id,
+                runtime_env={"working_dir": str(working_dir), "py_modules": [shipment.path],
+                             "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}},
+                metadata={METADATA_KEY: cfg.job.name,
+                          REDIS_KEY: job_view.mask(redis_url) if redis_url else "",
+                          VERSION_KEY: f"{shipment.version} (source {shipment.digest[:12]})"},
+            )
+        except RuntimeError as exc:
+            raise SubmitError(f"the cluster at {address} refused the job: {exc}") from exc
+    return Submitted(submission_id, shipment)
 
 
-@dataclass
-class ControllerView:
-    """What the controller's log says about the job."""
-
-    state: str | None = None
-    reason: str = ""
-    attempt: int = 0
-    step: str | None = None
-    loss: float | None = None
-    evicted: list[str] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
-
-
-def read_log(text: str, last_events: int = 5) -> ControllerView:
-    view = ControllerView()
-    for raw in text.splitlines():
-        line = _ANSI.sub("", raw).strip()
-        if m := _STATE.search(line):
-            view.state, view.reason = m.group(1), m.group(2)
-            if m.group(1) == "RECOVERING":
-                view.attempt += 1
-            view.events.append(line)
-        elif m := _STEP.search(line):
-            view.step, view.loss = f"{m.group(1)}/{m.group(2)}", float(m.group(3))
-        elif m := _EVENT.match(line):
-            view.events.append(line)
-            if m.group(1) == "evicted":
-                view.evicted.append(m.group(2).split()[1])
-    view.events = view.events[-last_events:]
-    return view
-
-
-def status(address: str, submission_id: str) -> dict[str, Any]:
+def status(address: str, submission_id: str, *, redis_url: str | None = None,
+           env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Ray's view of the job and the controller's (from its record, or else its log)."""
     jobs = client(address)
     try:
         info = jobs.get_job_info(submission_id)
     except RuntimeError as exc:
         raise SubmitError(f"no job {submission_id!r} on {address}: {exc}") from exc
-    view = read_log(jobs.get_job_logs(submission_id))
+    meta = info.metadata or {}
+    url, why = job_view.record_url(meta.get(REDIS_KEY), redis_url or env.get(job_view.URL_ENV), env)
+    view = None
+    if url and METADATA_KEY in meta:
+        view, why = job_view.read_record(url, meta[METADATA_KEY], started_ms=info.start_time,
+                                         ended_ms=info.end_time)
+    if view is None:
+        view = job_view.read_log(jobs.get_job_logs(submission_id))
+        view.source = f"the controller's log ({why})"
     return {"id": submission_id, "ray_status": str(info.status), "message": info.message or "",
-            "controller": view}
+            "controller": view, "longrun": meta.get(VERSION_KEY)}
 
 
 def logs(address: str, submission_id: str, *, follow: bool, write: Callable[[str], None]) -> None:

@@ -17,7 +17,7 @@ def world4_layout():
     return make_layout([NodeSpec("node-a"), NodeSpec("node-b")], 2, ParallelDims(dp=2, cp=2))
 
 
-def form_and_check(rank, url, attempt, timeout_s, results):
+def form_and_check(rank, world, init_file, results, url, attempt, timeout_s):
     """Form the world, check every group, report (rank, outcome, detail)."""
     try:
         import torch.distributed as dist
@@ -34,7 +34,7 @@ def form_and_check(rank, url, attempt, timeout_s, results):
         results.put((rank, type(exc).__name__, str(exc), getattr(exc, "missing_ranks", None)))
 
 
-def train_until_failure_then_reform(rank, url, results, victim_pid_queue):
+def train_until_failure_then_reform(rank, world, init_file, results, url):
     """Attempt 0: all-reduce in a loop until a peer dies; then re-form as attempt 1 in this
     same process (no re-spawn, no re-import) and check every group again."""
     import torch
@@ -54,7 +54,7 @@ def train_until_failure_then_reform(rank, url, results, victim_pid_queue):
                 dist.all_reduce(x, group=groups.world)
                 steps += 1
                 if steps == 1:  # ready to be killed only once training is under way
-                    victim_pid_queue.put((rank, os.getpid()))
+                    results.put((rank, "training", os.getpid(), 0))
             except Exception as exc:  # a dead peer surfaces as a gloo error
                 failure = exc
         groups.teardown()
@@ -70,7 +70,7 @@ def train_until_failure_then_reform(rank, url, results, victim_pid_queue):
         results.put((rank, "error", traceback.format_exc(), 0))
 
 
-def join_as_replacement(rank, url, results):
+def join_as_replacement(rank, world, init_file, results, url):
     """A fresh process taking a dead rank's place: the controller gives it the new attempt."""
     try:
         import torch

@@ -61,7 +61,10 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
         dist = _join(rank, world, init_file)
         import torch
 
-        from longrun.trainer.cp.attention import ContextParallelAttention, build_cp_groups
+        from longrun.commgroup import form_groups, single_node_layout
+        from longrun.parallel_dims import ParallelDims
+        from longrun.trainer.cp.attention import ContextParallelAttention
+        from longrun.trainer.cp.batches import cp_groups_for
         from longrun.trainer.cp.layout import ShardLayout
 
         for case in cases:
@@ -76,8 +79,11 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
             ref = reference_attention(ref_q, ref_k, ref_v, LENGTHS)
             (ref * dout).sum().backward()
 
-            groups = build_cp_groups([list(range(s, s + cp)) for s in range(0, world, cp)], rank,
-                                     impl, ulysses_size=u)
+            # commgroup forms the CP groups (and USP's sub-groups) the dims ask for
+            formed = form_groups(single_node_layout(ParallelDims(dp=world // cp, cp=cp, cp_impl=impl,
+                                                                 heads=h)), rank)
+            groups = cp_groups_for(formed, cp)
+            assert groups.ulysses_size == u, (case, groups)
             layout = ShardLayout(np.array(LENGTHS), cp, zigzag)
             idx = torch.from_numpy(layout.global_index(groups.rank))
             pad = idx < 0
@@ -149,7 +155,8 @@ def cp_step_matches_no_cp(rank: int, world: int, init_file: str, results, cases)
         dist = _join(rank, world, init_file)
         import torch
 
-        from longrun.trainer.cp.batches import setup_from_config
+        from longrun.commgroup import form_groups, single_node_layout
+        from longrun.trainer.cp.batches import setup_from_parallel_groups
         from longrun.trainer.cp.planner import CostModel
 
         rng = np.random.default_rng(3)
@@ -159,7 +166,8 @@ def cp_step_matches_no_cp(rank: int, world: int, init_file: str, results, cases)
             # Documents up to what the largest CP group can hold.
             docs = [rng.integers(0, 256, size=min(n, cfg.model.max_seq_len - 8)) for n in STEP_LENGTHS]
             cost = CostModel.for_model(cfg.model, **TEST_COST)
-            setup = setup_from_config(cfg, list(range(world)), rank, cost=cost)
+            formed = form_groups(single_node_layout(cfg.dims), rank)
+            setup = setup_from_parallel_groups(formed, cost=cost)
             assert setup.groups[max(setup.groups)].ulysses_size == u, setup.groups
             trainer, report = _planned_step_against_one_process(cfg, setup, docs)
             trainer.optimizer.zero_grad(set_to_none=True)
@@ -194,7 +202,7 @@ def cp_step_over_commgroup(rank: int, world: int, init_file: str, results, url: 
                                       layout=world4_layout())
         cfg = cp_config(world, 2, True)
         setup = setup_from_parallel_groups(groups, cost=CostModel.for_model(cfg.model, **TEST_COST),
-                                           dynamic=True, static_cp=2)
+                                           dims=cfg.dims)  # dynamic CP over the layout's groups
         rng = np.random.default_rng(3)
         docs = [rng.integers(0, 256, size=min(n, cfg.model.max_seq_len - 8)) for n in STEP_LENGTHS]
         trainer, report = _planned_step_against_one_process(cfg, setup, docs)
@@ -213,14 +221,16 @@ def calibration_is_measured_then_reused(rank: int, world: int, init_file: str, r
     second call loads the saved one instead of measuring again."""
     try:
         _join(rank, world, init_file)
+        from longrun.commgroup import form_groups, single_node_layout
         from longrun.trainer import Trainer
-        from longrun.trainer.cp.batches import setup_from_config
+        from longrun.trainer.cp.batches import setup_from_parallel_groups
         from longrun.trainer.cp.calibration import calibration_path, load_or_calibrate
         from longrun.trainer.cp.planner import CostModel
 
         cfg = cp_config(world, world, False)
         placeholder = CostModel.for_model(cfg.model, **TEST_COST)
-        setup = setup_from_config(cfg, list(range(world)), rank, cost=placeholder)
+        setup = setup_from_parallel_groups(form_groups(single_node_layout(cfg.dims), rank),
+                                           cost=placeholder)
         trainer = Trainer(cfg, "cpu", context_parallel=setup, progress=False)
         first = load_or_calibrate(directory, trainer)
         path = calibration_path(directory, trainer)

@@ -1,7 +1,9 @@
-"""The GPU benchmark must skip cleanly where there is no GPU, and its code path must run."""
+"""Bench scripts: each documents the command that runs it; the GPU benchmark skips cleanly where
+there is no GPU and its code path runs; a multi-process bench runs its world end to end."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -13,9 +15,29 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / "mfu_gpu.py"), *args],
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+def _run(*args: str, script: str = "mfu_gpu.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args],
                           capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_starts_with_the_command_that_runs_it(script):
+    doc = ast.get_docstring(ast.parse((BENCH / script).read_text()), clean=False)
+    assert doc, f"bench/{script} has no docstring"
+    commands = [line.strip() for line in doc.splitlines() if line.startswith("    ")]
+    assert commands and f"python bench/{script}" in commands[0], (script, commands[:1])
+    assert "the last line on stdout is one JSON object" in " ".join(doc.split())
+
+
+def test_a_multi_process_bench_runs_its_world_end_to_end():
+    # bench/overlap.py spawns its ranks through longrun.testing.worlds; tiny sizes, one round.
+    out = _run("--dim", "64", "--layers", "1", "--tokens", "64", "--rounds", "1", script="overlap.py")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["world"] == 2 and result["params"] > 0 and result["longrun_step_s"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load, load_file, save_file
 
 from longrun.checkpoint import Checkpointer
-from longrun.checkpoint.export import summarize_weights, unshare
+from longrun.checkpoint.catalog import summarize_weights
+from longrun.checkpoint.export import unshare
 from longrun.cli import main
 from longrun.config import config_from_dict
 from longrun.trainer import Trainer, Transformer

@@ -102,11 +102,6 @@ def test_run_explains_what_the_controller_does_not_run_yet(repo_root, tmp_path):
     assert out.returncode == 1
     assert "no tensor or pipeline parallelism yet" in out.stderr
     assert "starting an embedded" not in out.stderr  # refused before starting any service
-    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "cluster.workers_per_node=2",
-                  "--set", "parallelism.cp=2", "--set", "parallelism.dp=1",
-                  "--set", "parallelism.cp_impl=ulysses",
-                  "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
-    assert out.returncode == 1 and "cp_impl 'ulysses'" in out.stderr, out.stderr
     out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "parallelism.dynamic_cp=true",
                   "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 1 and "nothing to split" in out.stderr, out.stderr

@@ -85,6 +85,8 @@ def test_a_lost_worker_is_replaced_and_nothing_committed_is_lost(kind, rank, clu
     # The lost rank is named (its peers' failed collectives may be reported too).
     assert any(e["fault"] == "dead" and e["rank"] == rank for e in faults), faults
     assert any(e["type"] == "decision" and "restart" in e["reason"] for e in status["events"])
+    # Both attempts' rendezvous store, heartbeats, self-check stores and commit ledgers are gone.
+    assert not list(redis_client.scan_iter(match=f"longrun:{cfg.job.name}:a[0-9]*")), "attempt keys left"
 
 
 def test_the_restart_budget_ends_in_failed_with_the_reason(cluster, redis_server, redis_client, tmp_path):
@@ -171,6 +173,46 @@ def test_a_removed_node_is_replaced_by_the_spare(cluster, reference, redis_serve
     final_nodes = json.loads(JobRecordStore(redis_client, cfg.job.name).read().fields["nodes"])
     assert victim not in final_nodes
     _assert_same_weights(final_weights(cfg), reference)
+    # Ray's word that the node died makes the node the cause (not its ranks' deaths), once.
+    restarts = JobRecordStore(redis_client, cfg.job.name).restarts()
+    assert (restarts[0]["cause"], restarts[0]["node"]) == ("node_lost", victim), restarts
+    faults = [e for e in job_status(redis_client, cfg.job.name, events=200)["events"] if e["type"] == "fault"]
+    assert [e["node"] for e in faults if e["fault"] == "node_lost"] == [victim], faults
+
+
+def _text_corpus(directory, files: int):
+    directory.mkdir()
+    for i in range(files):
+        body = f"def f{i}(x):\n    return x * {i} + {i * 7}\n"
+        (directory / f"doc{i:03d}.py").write_text(body * (1 + i % 5))
+    return str(directory)
+
+
+def test_a_changed_data_path_ends_the_job_at_once_with_the_real_cause(cluster, redis_server, redis_client,
+                                                                      tmp_path):
+    """Resuming after the data changed can never work on any node: the job ends FAILED after
+    one attempt with the sampler's own message, not after a storm of restarts."""
+
+    def cfg_for(path: str, steps: int):
+        return config_from_dict({
+            "job": {"name": "data-changed", "seed": 7, "output_dir": str(tmp_path)},
+            "cluster": {"nodes": 1, "workers_per_node": 1, "device": "cpu"},
+            "parallelism": {"dp": 1},
+            "model": {"dim": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64},
+            "data": {"source": "text", "path": path, "micro_batch_tokens": 128, "prefetch": 1},
+            "training": {"steps": steps, "warmup_steps": 1, "log_every": 100},
+            "checkpoint": {"interval_steps": 2},
+            "recovery": {"restart_backoff_s": 0.0, "diagnostics": []},
+        })
+
+    first = Controller(cfg_for(_text_corpus(tmp_path / "corpus-a", 20), 2), redis_server.url).run()
+    assert first["step"] == 2
+    with pytest.raises(JobFailed, match="cannot resume the data order") as failed:
+        Controller(cfg_for(_text_corpus(tmp_path / "corpus-b", 31), 4), redis_server.url).run()
+    assert "num_docs" in str(failed.value) and "fatal error" in str(failed.value)
+    status = job_status(redis_client, "data-changed", events=100)
+    assert status["state"] == "FAILED" and status["restarts"] == 0
+    assert [e["fault"] for e in status["events"] if e["type"] == "fault"] == ["fatal"]
 
 
 def test_a_redis_restart_mid_run_is_ridden_out_without_a_false_fault(cluster, reference, tmp_path):

@@ -290,7 +290,7 @@ def test_the_trainer_plans_the_next_global_batch_in_its_data_thread(monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cp_batches, "plan_step", recording)
-    setup = cp_batches.build_setup([0], 0, cost=COST, dynamic=True, static_cp=1)
+    setup = cp_batches.one_rank_setup(COST, cfg.dims)
     with Trainer(cfg, "cpu", context_parallel=setup, progress=False) as trainer:
         metrics = trainer.train()
     assert metrics.step == 2 and np.isfinite(metrics.loss)
@@ -299,9 +299,20 @@ def test_the_trainer_plans_the_next_global_batch_in_its_data_thread(monkeypatch)
 
 
 def test_bad_context_parallel_setups_are_refused_with_the_reason():
-    from longrun.trainer.cp.batches import build_setup, setup_from_parallel_groups
+    """The CP package creates no process group: a setup wider than one rank needs commgroup's
+    groups, which need a world; an attention object needs a layout of its group's size."""
+    import torch
 
-    with pytest.raises(ValueError, match="increasing order and hold rank 0"):
-        build_setup([1, 0], 0, cost=COST, dynamic=True, static_cp=2)
-    with pytest.raises(ValueError, match="cp_impl 'ulysses' needs Ulysses sub-groups"):
-        setup_from_parallel_groups(None, cost=COST, dynamic=True, static_cp=2, impl="ulysses")
+    from longrun.commgroup import form_groups, single_node_layout
+    from longrun.parallel_dims import ParallelDims
+    from longrun.trainer.cp.attention import ContextParallelAttention, CPGroups
+    from longrun.trainer.cp.batches import one_rank_setup
+    from longrun.trainer.cp.layout import ShardLayout
+
+    with pytest.raises(ValueError, match="needs a span of 1 rank, got 4; form the groups with commgroup"):
+        one_rank_setup(COST, ParallelDims(dp=2, cp=2))
+    with pytest.raises(RuntimeError, match="needs an initialised world of 4 ranks"):
+        form_groups(single_node_layout(ParallelDims(dp=2, cp=2, cp_impl="ulysses")), 0)
+    with pytest.raises(ValueError, match="layout for CP 2 used with a CP group of 1"):
+        ContextParallelAttention(ShardLayout(np.array([5, 9]), 2, True), CPGroups.alone(),
+                                 torch.device("cpu"))

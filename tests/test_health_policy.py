@@ -139,6 +139,19 @@ def test_exception_restarts_once_then_same_step_is_a_bug():
     assert decide(boom, past(1, cause="dead", step=40), recovery(), now=NOW).action is Action.RESTART
 
 
+def test_a_fatal_error_gives_up_at_once_with_its_whole_message():
+    message = ("rank 2 raised DataError: cannot resume the data order: the saved sampler has "
+               "num_docs = 20, this one 31 (the data, seed or data-parallel layout changed)")
+    fatal = Incident("fatal", rank=2, node="n1", step=0, at=NOW, detail=message)
+    echoes = [Incident("exception", rank=3, node="n1", at=NOW, detail="rank 3 raised RuntimeError: gloo"),
+              Incident("dead", rank=0, node="n0", step=5, at=NOW)]
+    for incidents in ([fatal], [fatal, *echoes]):
+        d = decide(incidents, [], recovery(), now=NOW)  # the whole budget is left
+        assert d.action is Action.GIVE_UP and d.cause == fatal and d.backoff_s == 0
+        assert message in d.reason and "restart 1 of" not in d.reason
+        one_sentence(d.reason)
+
+
 def test_dead_rank_beats_its_peers_exceptions_at_the_same_step():
     incidents = [Incident("exception", rank=r, node="n0", step=40, at=NOW, detail="gloo closed")
                  for r in (0, 1)]

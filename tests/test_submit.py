@@ -1,31 +1,71 @@
 """`longrun submit/status/logs/stop/list` against a real Ray head's Jobs API (on loopback),
-and clear errors for an unreachable cluster and a bad config."""
+and clear errors for an unreachable cluster and a bad config.
+
+The head runs on a python that cannot import longrun (as a user's cluster often does): a fresh
+venv that sees this venv's packages (torch, ray, ...) but not the editable install of longrun.
+Every job here runs only because `longrun submit` ships longrun with it.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
+import sysconfig
+import venv
+from pathlib import Path
 
 import pytest
 
 from longrun.services.ports import free_port
 
 
-def longrun(*args, cwd, timeout=600) -> subprocess.CompletedProcess:
+def longrun(*args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "longrun.cli", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=timeout)
+                          text=True, cwd=cwd, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
-def head():
+def cluster_python(tmp_path_factory):
+    """A python with longrun's dependencies and without longrun: a fresh venv whose .pth adds
+    this venv's site-packages as a plain path (its own .pth files, the editable install's
+    finder among them, are not run)."""
+    env_dir = tmp_path_factory.mktemp("cluster-venv")
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "zz_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return py
+
+
+@pytest.fixture(scope="module")
+def head(cluster_python):
     from longrun.services import EmbeddedRay
 
-    with EmbeddedRay(num_cpus=2, include_dashboard=True) as ray_head:
+    # EmbeddedRay starts `ray start` with sys.executable and puts its folder first on the head's
+    # PATH, so the jobs' `python3` is that interpreter too: here, the one without longrun.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "executable", str(cluster_python))
+        ray_head = EmbeddedRay(num_cpus=2, include_dashboard=True).start()
+    try:
         yield ray_head
+    finally:
+        ray_head.stop()
 
 
-def test_submit_then_follow_status_and_list(head, repo_root, tmp_path):
+def test_the_clusters_python_has_the_dependencies_but_not_longrun(cluster_python, tmp_path):
+    deps = subprocess.run([cluster_python, "-c", "import torch, ray, pydantic, redis"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert deps.returncode == 0, deps.stderr
+    bare = subprocess.run([cluster_python, "-m", "longrun.cli", "--version"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert bare.returncode == 1 and "No module named 'longrun'" in bare.stderr, bare.stderr
+
+
+def test_submit_then_follow_status_and_list(head, cluster_python, repo_root, tmp_path):
     address = head.dashboard_url
     out = longrun("submit", repo_root / "examples" / "tiny.yaml", "--address", address, "--no-wait",
                   "--set", "training.steps=6", "--set", "training.warmup_steps=1",
@@ -33,22 +73,66 @@ def test_submit_then_follow_status_and_list(head, repo_root, tmp_path):
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"longrun-tiny-\d{8}-\d{6}", job_id), out.stdout
+    assert re.search(r"with longrun 0\.\S+ \(source [0-9a-f]{12}, \d+ KiB\)", out.stderr), out.stderr
 
     follow = longrun("logs", job_id, "--address", address, "--follow", cwd=tmp_path)
     assert follow.returncode == 0, follow.stderr
     assert "state SUCCEEDED" in follow.stdout and "done: 6 steps" in follow.stdout, follow.stdout
+    # The preflight ran the shipped copy, on the head's python, which has no longrun of its own.
+    shipped = re.search(r"longrun 0\.\S+ \(source [0-9a-f]{12}\) shipped with the job, running from (\S+)",
+                        follow.stdout)
+    assert shipped and "py_modules_files" in shipped.group(1), follow.stdout
+    ran_with = re.search(r"python: (\S+) \(Python", follow.stdout).group(1)
+    assert Path(ran_with).parent == cluster_python.parent, follow.stdout
 
     status = longrun("status", job_id, "--address", address, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     assert f"job {job_id}: ray SUCCEEDED" in status.stdout
     assert "controller: SUCCEEDED" in status.stdout and "step 6/6" in status.stdout
     assert "evicted nodes: none" in status.stdout
+    assert "source: the controller's log (the job's Redis is embedded in its controller" in status.stdout
+    assert re.search(r"longrun 0\.\S+ \(source [0-9a-f]{12}\), shipped with the job", status.stdout)
 
     listed = longrun("list", "--address", address, cwd=tmp_path)
     assert job_id in listed.stdout and "SUCCEEDED" in listed.stdout
 
     stopped = longrun("stop", job_id, "--address", address, cwd=tmp_path)
     assert stopped.returncode == 0 and "already ended" in stopped.stdout
+
+
+def test_status_reads_the_job_record_from_the_configured_redis(head, repo_root, tmp_path, redis_server):
+    address = head.dashboard_url
+    password = redis_server.password
+    out = longrun("submit", repo_root / "examples" / "tiny.yaml", "--address", address, "--no-wait",
+                  "--set", "training.steps=4", "--set", "training.warmup_steps=1",
+                  "--set", f"cluster.redis_url={redis_server.url}",
+                  "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().splitlines()[-1]
+    follow = longrun("logs", job_id, "--address", address, "--follow", cwd=tmp_path)
+    assert "state SUCCEEDED" in follow.stdout, follow.stdout
+
+    from ray.job_submission import JobSubmissionClient
+
+    info = JobSubmissionClient(address).get_job_info(job_id)
+    shown = f"redis://:***@127.0.0.1:{redis_server.port}/0"
+    assert info.metadata["longrun.redis"] == shown
+    assert password not in json.dumps([info.metadata, info.runtime_env, info.entrypoint])
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGRUN_REDIS")}
+    no_password = longrun("status", job_id, "--address", address, cwd=tmp_path, env=env)
+    assert no_password.returncode == 0, no_password.stderr
+    assert (f"source: the controller's log (the job's Redis {shown} needs its password: "
+            "set LONGRUN_REDIS_PASSWORD") in no_password.stdout, no_password.stdout
+    assert "controller: SUCCEEDED" in no_password.stdout
+
+    record = longrun("status", job_id, "--address", address, cwd=tmp_path,
+                     env={**env, "LONGRUN_REDIS_PASSWORD": password})
+    assert record.returncode == 0, record.stderr
+    assert f"source: the job record in Redis at {shown}" in record.stdout, record.stdout
+    assert "controller: SUCCEEDED (finished 4 steps" in record.stdout and "step 4/4" in record.stdout
+    assert re.search(r"\d\d:\d\d:\d\d state SUCCEEDED: finished 4 steps", record.stdout), record.stdout
+    assert password not in no_password.stdout + no_password.stderr + record.stdout + record.stderr
 
 
 def test_submit_to_an_unreachable_cluster_is_a_clear_error(repo_root, tmp_path):
@@ -72,8 +156,6 @@ def test_status_of_an_unknown_job_is_a_clear_error(head, tmp_path):
 
 
 def test_commands_without_a_cluster_address_say_how_to_give_one(tmp_path):
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-m", "longrun.cli", "list"], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)

@@ -6,14 +6,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longrun.commgroup.topology import GROUP_KINDS, NodeSpec, ParallelDims, make_layout
+from longrun.commgroup.topology import GROUP_KINDS, NodeSpec, make_layout, single_node_layout
+from longrun.parallel_dims import ParallelDims
 
 pow2 = st.sampled_from([1, 2, 4, 8])
 
 
 @st.composite
 def layouts(draw):
-    dims = ParallelDims(dp=draw(st.integers(1, 6)), cp=draw(pow2), tp=draw(pow2), pp=draw(st.integers(1, 3)))
+    dims = ParallelDims(dp=draw(st.integers(1, 6)), fsdp=draw(st.sampled_from([1, 1, 2])), cp=draw(pow2),
+                        tp=draw(pow2), pp=draw(st.integers(1, 3)), dynamic_cp=draw(st.booleans()),
+                        cp_impl=draw(st.sampled_from(["ring", "ulysses", "usp"])),
+                        heads=draw(st.sampled_from([None, 1, 2, 4, 6, 8, 16])))
     # Node sizes that tp divides (the realistic case) or not (tp larger than a node).
     per_node = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16) if dims.world_size % d == 0]))
     n_nodes = dims.world_size // per_node
@@ -28,7 +32,7 @@ def layouts(draw):
 def test_every_rank_in_exactly_one_group_of_each_kind(layout):
     world = set(range(layout.world_size))
     d = layout.dims
-    sizes = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "dp_cp": d.dp * d.cp}
+    sizes = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "fsdp": d.fsdp, "dp": d.dp, "dp_cp": d.dp * d.fsdp * d.cp}
     for kind in GROUP_KINDS:
         groups = layout.groups[kind]
         members = [r for g in groups for r in g]
@@ -41,7 +45,7 @@ def test_every_rank_in_exactly_one_group_of_each_kind(layout):
 @given(layouts())
 def test_sizes_multiply_to_the_world_and_coords_round_trip(layout):
     d = layout.dims
-    assert d.dp * d.cp * d.tp * d.pp == layout.world_size
+    assert d.dp * d.fsdp * d.cp * d.tp * d.pp == layout.world_size
     for rank in range(layout.world_size):
         assert layout.rank_of(layout.coords(rank)) == rank
 
@@ -56,10 +60,10 @@ def test_tp_stays_inside_a_node_when_it_fits(layout):
 @settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_groups_vary_only_their_own_dimension(layout):
-    for kind in ("tp", "cp", "pp", "dp"):
+    for kind in ("tp", "cp", "pp", "fsdp", "dp"):
         for group in layout.groups[kind]:
             coords = [layout.coords(r) for r in group]
-            for other in ("tp", "cp", "pp", "dp"):
+            for other in ("tp", "cp", "pp", "fsdp", "dp"):
                 if other != kind:
                     assert len({getattr(c, other) for c in coords}) == 1
 
@@ -67,7 +71,7 @@ def test_groups_vary_only_their_own_dimension(layout):
 @settings(max_examples=100, deadline=None)
 @given(layouts())
 def test_dynamic_cp_groups_partition_each_dp_cp_group(layout):
-    span = layout.dims.dp * layout.dims.cp
+    span = layout.dims.span
     assert 1 in layout.dynamic_cp_groups
     for size, groups in layout.dynamic_cp_groups.items():
         assert size & (size - 1) == 0 and span % size == 0
@@ -76,11 +80,57 @@ def test_dynamic_cp_groups_partition_each_dp_cp_group(layout):
             parent = layout.group_of("dp_cp", g[0])
             assert set(g) <= set(parent)
             assert all(layout.dynamic_cp_group_of(size, r) == g for r in g)
-    # Groups no larger than cp stay inside one model replica.
+    # Groups no larger than cp stay inside one model replica (and one shard).
     for size, groups in layout.dynamic_cp_groups.items():
         if size <= layout.dims.cp:
             for g in groups:
-                assert len({layout.coords(r).dp for r in g}) == 1
+                assert len({(layout.coords(r).dp, layout.coords(r).fsdp) for r in g}) == 1
+    if layout.dims.cp in layout.dynamic_cp_groups:  # the size-cp sub-groups are the cp groups
+        assert sorted(layout.dynamic_cp_groups[layout.dims.cp]) == sorted(layout.groups["cp"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_every_named_group_partitions_the_world_in_one_canonical_order(layout):
+    names = [name for name, _ in layout.named_groups]
+    assert names[:2] == ["tp", "cp"] and len(set(names)) == len(names)
+    assert ("fsdp" in names) == (layout.dims.fsdp > 1)  # no communicator of one for FSDP 1
+    for name, groups in layout.named_groups:
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), name
+    for rank in range(layout.world_size):
+        mine = layout.groups_of(rank)
+        assert [n for n, _ in mine] == names  # every rank walks the same order
+        assert all(rank in members and members == layout.group_of(n, rank) for n, members in mine)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_usp_sub_groups_split_each_cp_group_into_ulysses_blocks_and_rings(layout):
+    d = layout.dims
+    for size in d.cp_sizes:
+        u = d.ulysses_degree(size)
+        has = f"uly{size}" in layout.attention_groups
+        assert has == (1 < u < size), (size, u)  # pure ring or pure Ulysses: the CP group is enough
+        if not has:
+            continue
+        for cp_group in layout.cp_groups(size):
+            ulysses = [g for g in layout.attention_groups[f"uly{size}"] if g[0] in cp_group]
+            rings = [g for g in layout.attention_groups[f"ring{size}"] if g[0] in cp_group]
+            # CP-rank j = ring_index * u + ulysses_index: blocks of u consecutive CP ranks,
+            # rings of the ranks at the same offset in each block.
+            assert ulysses == [cp_group[i:i + u] for i in range(0, size, u)]
+            assert rings == [cp_group[j::u] for j in range(u)]
+    if d.cp_impl == "ring":
+        assert layout.attention_groups == {}
+
+
+def test_a_dynamic_usp_layout_names_its_groups():
+    layout = single_node_layout(ParallelDims(dp=2, cp=4, dynamic_cp=True, cp_impl="usp", heads=4))
+    assert layout.attention_groups == {
+        "uly4": [[0, 1], [2, 3], [4, 5], [6, 7]], "ring4": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "uly8": [[0, 1], [2, 3], [4, 5], [6, 7]], "ring8": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    }  # groups of 2 are pure Ulysses (u = 2): no sub-groups
+    assert [n for n, _ in layout.groups_of(5)][-4:] == ["uly4", "ring4", "uly8", "ring8"]
 
 
 def test_nodes_are_ordered_by_zone_and_rack():
@@ -114,6 +164,10 @@ def test_group_lookup_rejects_unknown_ranks_and_sizes():
         layout.group_of("tp", 4)
     with pytest.raises(KeyError, match="no dynamic-CP groups of size 8"):
         layout.dynamic_cp_group_of(8, 0)
+    with pytest.raises(KeyError, match="no group named 'uly4'"):
+        layout.group_of("uly4", 0)
+    with pytest.raises(KeyError, match="no CP groups of size 8"):
+        layout.cp_groups(8)
 
 
 def test_bad_dims():

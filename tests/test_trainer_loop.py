@@ -246,3 +246,30 @@ def test_skipped_steps_consume_their_data_without_training():
     # The same data positions and learning rates as the plain run at those steps.
     assert [(d, lr) for s, d, lr in seen_skip] == [(d, lr) for s, d, lr in seen_plain if s in (2, 3, 5, 6)]
     assert skipping.step == 6 and skipping.state_dict()["data"] == plain.state_dict()["data"]
+
+
+def test_a_step_reports_its_phases_in_order():
+    """What the heartbeat shows while a rank works: the waits for data, then each part of the
+    step. Under context parallelism the wait is for a planned global batch: phase "plan"."""
+    from longrun.trainer.cp.batches import one_rank_setup
+    from longrun.trainer.cp.planner import CostModel
+
+    def one_step_phases(trainer: Trainer) -> list[str]:
+        seen: list[str] = []
+        trainer.on_phase = seen.append
+        trainer.train(steps=1)
+        return [p for i, p in enumerate(seen) if i == 0 or seen[i - 1] != p]  # runs collapsed
+
+    plain_cfg = _cfg(training={"steps": 2, "warmup_steps": 1, "grad_accum": 2})
+    with Trainer(plain_cfg, "cpu", progress=False) as plain:
+        assert one_step_phases(plain) == ["data", "forward", "backward", "forward", "backward", "sync",
+                                          "optimizer"]
+    cfg = _cfg(training={"steps": 2, "warmup_steps": 1}, parallelism={"dynamic_cp": True})
+    cost = CostModel.for_model(cfg.model, linear_s_per_token=1e-6, attn_s_per_token2=1e-9,
+                               ring_block_s_per_token2=1e-9, p2p_latency_s=1e-4, p2p_s_per_byte=1e-9,
+                               micro_batch_overhead_s=1e-3)
+    setup = one_rank_setup(cost, cfg.dims)
+    with Trainer(cfg, "cpu", context_parallel=setup, progress=False) as planned:
+        phases = one_step_phases(planned)
+        assert phases[0] == "plan" and "data" not in phases
+        assert phases[-2:] == ["sync", "optimizer"]

@@ -112,7 +112,7 @@ def communication_overlaps_backward(rank: int, world: int, init_file: str, resul
     all-reduce launch, and the gradient of the first layer (among the last backward computes)."""
     try:
         dist = _join(rank, world, init_file)
-        import longrun.trainer.parallel as parallel
+        import longrun.trainer.data_parallel as parallel
         from longrun.trainer import Trainer
 
         events: list[str] = []

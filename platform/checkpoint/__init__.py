@@ -7,17 +7,28 @@ newest whole checkpoint and loads it once per data-parallel group. `Checkpointer
 to the trainer.
 """
 
-from longrun.checkpoint.checkpointer import Checkpointer
-from longrun.checkpoint.commit import CommitAborted, LocalCommitLedger, RedisCommitLedger
-from longrun.checkpoint.manifest import Manifest, ManifestError
-from longrun.checkpoint.restore import (
-    CheckpointMismatchError,
-    CorruptShardError,
-    Restored,
-    restore_latest,
-)
-from longrun.checkpoint.snapshot import HostStager, Snapshot
-from longrun.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SaveResult
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562): the manifest and the layout are torch-free, and the
+# controller reads them before it places a worker; it must not pay for (or ever import)
+# torch, which the checkpointer, snapshot, writer and restore need.
+_WHERE = {
+    "Checkpointer": "checkpointer",
+    "CommitAborted": "commit", "LocalCommitLedger": "commit", "RedisCommitLedger": "commit",
+    "Manifest": "manifest", "ManifestError": "manifest",
+    "CheckpointMismatchError": "restore", "CorruptShardError": "restore", "Restored": "restore",
+    "restore_latest": "restore",
+    "HostStager": "snapshot", "Snapshot": "snapshot",
+    "CheckpointWriteError": "writer", "CheckpointWriter": "writer", "SaveResult": "writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "CheckpointMismatchError",

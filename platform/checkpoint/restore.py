@@ -33,12 +33,15 @@ from longrun.checkpoint.manifest import (
     stream_sha256,
 )
 from longrun.checkpoint.snapshot import map_tree, tensors_of
+from longrun.kinds import FaultKind
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit this job (model shape or parallel layout)."""
+
+    fault_kind = FaultKind.FATAL  # recurs on any node: the controller ends the job, no restart
 
 
 class CorruptShardError(ValueError):

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from longrun.commgroup.init import ParallelGroups
+from longrun.commgroup.groups import ParallelGroups
 
 
 class GroupCheckError(RuntimeError):

@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from longrun import keys
 from longrun.commgroup.resp import PerThreadResp, RespError
+from longrun.keys import delete_attempt_keys as delete_attempt_keys  # the cleanup lives in keys.py
+from longrun.keys import delete_matching, glob_escape
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 # A blocked read is re-issued at least this often, so the socket timeout can stay finite and
@@ -258,26 +260,3 @@ class RedisStore(dist.Store):
     def close(self) -> None:
         self._fast.close()
         self._client.close()
-
-
-def glob_escape(text: str) -> str:
-    """`text` as a literal in a Redis SCAN/KEYS glob pattern."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def delete_matching(client: redis.Redis, pattern: str, batch: int = 1000) -> int:
-    """UNLINK every key matching `pattern`, in batches; returns how many were removed."""
-    removed, chunk = 0, []
-    for key in client.scan_iter(match=pattern, count=batch):
-        chunk.append(key)
-        if len(chunk) >= batch:
-            removed += client.unlink(*chunk)
-            chunk = []
-    if chunk:
-        removed += client.unlink(*chunk)
-    return removed
-
-
-def delete_attempt_keys(client: redis.Redis, job: str, attempt: int) -> int:
-    """Everything an attempt owned (store, heartbeats): called when the attempt ends."""
-    return delete_matching(client, glob_escape(keys.attempt_prefix(job, attempt)) + "*")

@@ -1,13 +1,18 @@
 """Rank layout: which rank runs where, and the rank lists of every parallel group.
 
-Ranks are numbered with tensor parallelism fastest, then context, then pipeline, and data
-parallelism outermost (Meta's order for Llama 3): TP needs the most bandwidth and stays
-inside a node; DP needs the least and spans racks. Nodes are ordered by (zone, rack, name)
-before ranks are dealt out, so one model replica occupies neighbouring nodes.
+Ranks are numbered with tensor parallelism fastest, then context, then pipeline, then FSDP
+sharding, and data-parallel replicas outermost (Meta's order for Llama 3): TP needs the most
+bandwidth and stays inside a node; DP needs the least and spans racks. Nodes are ordered by
+(zone, rack, name) before ranks are dealt out, so one model replica occupies neighbouring nodes.
 
-    rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
+    rank = (((dp_i * fsdp + fsdp_i) * pp + pp_i) * cp + cp_i) * tp + tp_i
 
-Pure functions over plain data; `commgroup.init` turns the rank lists into process groups.
+Besides one group per axis there is the span (`dp_cp`: dp x fsdp x cp, the ranks that reduce
+gradients together), dynamic CP's aligned power-of-two sub-groups of the span (`dcp<size>`),
+and for USP attention each CP group's Ulysses sub-groups (`uly<size>`: consecutive ranks) and
+the rings across them (`ring<size>`). Every name's groups partition the world.
+
+Pure functions over plain data; `commgroup.groups` turns the rank lists into process groups.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
 
-GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp")
+from longrun.parallel_dims import ParallelDims
+
+GROUP_KINDS = ("tp", "cp", "pp", "fsdp", "dp", "dp_cp")
+_AXES = ("dp", "fsdp", "pp", "cp", "tp")  # outermost first
+_VARYING = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "fsdp": ("fsdp",), "dp": ("dp",),
+            "dp_cp": ("dp", "fsdp", "cp")}
 
 
 @dataclass(frozen=True)
@@ -27,32 +37,16 @@ class NodeSpec:
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self):
-        for name in ("dp", "cp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel size {name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-
-@dataclass(frozen=True)
 class RankCoords:
     dp: int
     pp: int
     cp: int
     tp: int
+    fsdp: int = 0
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankLayout:
     dims: ParallelDims
     nodes: tuple[NodeSpec, ...]  # in placement order
     workers_per_node: int
@@ -68,56 +62,85 @@ class Layout:
         return rank % self.workers_per_node
 
     def coords(self, rank: int) -> RankCoords:
-        d = self.dims
-        rank, tp = divmod(rank, d.tp)
-        rank, cp = divmod(rank, d.cp)
-        dp, pp = divmod(rank, d.pp)
-        return RankCoords(dp=dp, pp=pp, cp=cp, tp=tp)
+        position = {}
+        for axis in reversed(_AXES):
+            rank, position[axis] = divmod(rank, getattr(self.dims, axis))
+        return RankCoords(**position)
 
     def rank_of(self, c: RankCoords) -> int:
-        d = self.dims
-        return ((c.dp * d.pp + c.pp) * d.cp + c.cp) * d.tp + c.tp
+        rank = 0
+        for axis in _AXES:
+            rank = rank * getattr(self.dims, axis) + getattr(c, axis)
+        return rank
 
     @cached_property
     def groups(self) -> dict[str, list[list[int]]]:
         """Rank lists of every group of each kind; each rank is in exactly one per kind."""
-        d = self.dims
-        varying = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
-        sizes = {"dp": d.dp, "pp": d.pp, "cp": d.cp, "tp": d.tp}
+        sizes = {axis: getattr(self.dims, axis) for axis in _AXES}
         out: dict[str, list[list[int]]] = {}
-        for kind, inner in varying.items():
-            fixed = [a for a in ("dp", "pp", "cp", "tp") if a not in inner]
+        for kind, inner in _VARYING.items():
+            fixed = [a for a in _AXES if a not in inner]
             groups = []
             for outer in product(*(range(sizes[a]) for a in fixed)):
                 base = dict(zip(fixed, outer, strict=True))
-                members = []
-                for pos in product(*(range(sizes[a]) for a in inner)):
-                    members.append(self.rank_of(RankCoords(**base, **dict(zip(inner, pos, strict=True)))))
-                groups.append(members)
+                groups.append([self.rank_of(RankCoords(**base, **dict(zip(inner, pos, strict=True))))
+                               for pos in product(*(range(sizes[a]) for a in inner))])
             out[kind] = groups
         return out
 
     @cached_property
     def dynamic_cp_groups(self) -> dict[int, list[list[int]]]:
-        """For dynamic context parallelism: the dp x cp ranks of each (pp, tp) position split
-        into contiguous CP sub-groups of every power-of-two size that divides dp x cp.
-        Contiguous in (dp, cp) order, so groups no larger than cp stay inside one replica."""
-        span = self.dims.dp * self.dims.cp
-        out: dict[int, list[list[int]]] = {}
-        size = 1
-        while size <= span:
-            if span % size == 0:
-                out[size] = [g[i:i + size] for g in self.groups["dp_cp"] for i in range(0, span, size)]
-            size *= 2
+        """For dynamic context parallelism: each span (`dp_cp` group) split into contiguous CP
+        sub-groups of every power-of-two size that divides it. Contiguous in (dp, fsdp, cp)
+        order, so groups no larger than cp stay inside one replica (and the size-cp ones are
+        the `cp` groups). Laid out for every job, so static and dynamic runs form alike."""
+        span = self.dims.span
+        return {size: [g[i:i + size] for g in self.groups["dp_cp"] for i in range(0, span, size)]
+                for size in self.dims.dynamic_cp_sizes}
+
+    def cp_groups(self, size: int) -> list[list[int]]:
+        """The CP groups of `size` ranks a run attends over: static CP's `cp` groups or
+        dynamic CP's aligned sub-groups of the span."""
+        if size == self.dims.cp:
+            return self.groups["cp"]
+        if size not in self.dynamic_cp_groups:
+            raise KeyError(f"no CP groups of size {size}; sizes: {list(self.dims.cp_sizes)}")
+        return self.dynamic_cp_groups[size]
+
+    @cached_property
+    def attention_groups(self) -> dict[str, list[list[int]]]:
+        """USP's sub-groups of each CP size the run uses: `uly<size>`, the u consecutive ranks
+        that exchange heads by all-to-all, and `ring<size>`, the ranks at the same offset in
+        the other such groups. Pure ring or pure Ulysses needs none (the CP group is enough)."""
+        out: dict[str, list[list[int]]] = {}
+        for size in self.dims.cp_sizes:
+            u = self.dims.ulysses_degree(size)
+            if 1 < u < size:
+                blocks = self.cp_groups(size)
+                out[f"uly{size}"] = [g[i:i + u] for g in blocks for i in range(0, size, u)]
+                out[f"ring{size}"] = [g[j::u] for g in blocks for j in range(u)]
         return out
 
     @cached_property
+    def _by_name(self) -> dict[str, list[list[int]]]:
+        """Every group's rank lists by name, in the canonical order (see `named_groups`)."""
+        named = {kind: self.groups[kind] for kind in GROUP_KINDS}
+        named.update((f"dcp{size}", groups) for size, groups in sorted(self.dynamic_cp_groups.items()))
+        named.update(self.attention_groups)  # by size, ascending; each size's uly before its ring
+        return named
+
+    @cached_property
+    def named_groups(self) -> list[tuple[str, list[list[int]]]]:
+        """(name, rank lists) of every group to form, in the one canonical order all ranks
+        follow. A shard group is formed only where there is sharding (fsdp > 1)."""
+        return [(name, groups) for name, groups in self._by_name.items()
+                if name != "fsdp" or self.dims.fsdp > 1]
+
+    @cached_property
     def _membership(self) -> dict[str, list[int]]:
-        """kind (or "dcp<size>") -> for each rank, the index of its group of that kind."""
+        """group name -> for each rank, the index of its group of that name."""
         index: dict[str, list[int]] = {}
-        named = [(kind, self.groups[kind]) for kind in GROUP_KINDS]
-        named += [(f"dcp{size}", groups) for size, groups in self.dynamic_cp_groups.items()]
-        for name, groups in named:
+        for name, groups in self._by_name.items():
             where = [0] * self.world_size
             for i, group in enumerate(groups):
                 for r in group:
@@ -129,21 +152,28 @@ class Layout:
         if not 0 <= rank < self.world_size:
             raise KeyError(f"rank {rank} is not in the world of {self.world_size}")
 
-    def group_of(self, kind: str, rank: int) -> list[int]:
+    def group_of(self, name: str, rank: int) -> list[int]:
         self._check_rank(rank)
-        return self.groups[kind][self._membership[kind][rank]]
+        if name not in self._by_name:
+            raise KeyError(f"no group named {name!r}; names: {list(self._by_name)}")
+        return self._by_name[name][self._membership[name][rank]]
 
     def dynamic_cp_group_of(self, size: int, rank: int) -> list[int]:
         self._check_rank(rank)
         if size not in self.dynamic_cp_groups:
             raise KeyError(f"no dynamic-CP groups of size {size}; sizes: {sorted(self.dynamic_cp_groups)}")
-        return self.dynamic_cp_groups[size][self._membership[f"dcp{size}"][rank]]
+        return self.group_of(f"dcp{size}", rank)
+
+    def groups_of(self, rank: int) -> list[tuple[str, list[int]]]:
+        """(name, ranks) of every group `rank` belongs to, in the canonical global order."""
+        self._check_rank(rank)
+        return [(name, groups[self._membership[name][rank]]) for name, groups in self.named_groups]
 
     def tp_crosses_nodes(self) -> bool:
         return any(len({self.node_of(r) for r in g}) > 1 for g in self.groups["tp"])
 
 
-def make_layout(nodes: list[NodeSpec], workers_per_node: int, dims: ParallelDims) -> Layout:
+def make_layout(nodes: list[NodeSpec], workers_per_node: int, dims: ParallelDims) -> RankLayout:
     if workers_per_node < 1:
         raise ValueError(f"workers_per_node must be >= 1, got {workers_per_node}")
     if len({n.name for n in nodes}) != len(nodes):
@@ -151,8 +181,13 @@ def make_layout(nodes: list[NodeSpec], workers_per_node: int, dims: ParallelDims
     capacity = len(nodes) * workers_per_node
     if capacity != dims.world_size:
         raise ValueError(
-            f"{len(nodes)} nodes x {workers_per_node} workers = {capacity} slots, but dp x cp x tp x pp "
-            f"= {dims.world_size} ranks; the two must match"
+            f"{len(nodes)} nodes x {workers_per_node} workers = {capacity} slots, but dp x fsdp x "
+            f"cp x tp x pp = {dims.world_size} ranks; the two must match"
         )
     ordered = tuple(sorted(nodes, key=lambda n: (n.zone, n.rack, n.name)))
-    return Layout(dims=dims, nodes=ordered, workers_per_node=workers_per_node)
+    return RankLayout(dims=dims, nodes=ordered, workers_per_node=workers_per_node)
+
+
+def single_node_layout(dims: ParallelDims) -> RankLayout:
+    """Every rank on one node: a world formed on one machine (tests, benchmarks)."""
+    return make_layout([NodeSpec("local")], dims.world_size, dims)

@@ -11,10 +11,13 @@ import yaml
 from pydantic import ValidationError
 
 from longrun.config.job import JobConfig
+from longrun.kinds import FaultKind
 
 
 class ConfigError(ValueError):
     """A config the user must fix. `problems` holds (dotted path, reason) pairs."""
+
+    fault_kind = FaultKind.FATAL  # recurs on any node: the controller ends the job, no restart
 
     def __init__(self, source: str, problems: list[tuple[str, str]]):
         self.source = source

@@ -2,7 +2,7 @@
 
 Each section is a small pydantic model that validates its own fields; checks that span
 sections (world size against the cluster, sequence length against the token budget) live
-in `longrun.config.job`. Every model forbids unknown keys so a typo is an error, not a
+in `longrun.config.checks`. Every model forbids unknown keys so a typo is an error, not a
 silently ignored setting.
 """
 
@@ -12,6 +12,8 @@ import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from longrun.parallel_dims import CPImpl
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -58,7 +60,8 @@ class ClusterSection(Section):
         "null: looked up for known GPUs (H100, H200, A100), none on CPU (MFU not reported).")
 
     @property
-    def world_size(self) -> int:
+    def workers(self) -> int:
+        """Worker slots: one rank each (the parallel dims must multiply to this)."""
         return self.nodes * self.workers_per_node
 
 
@@ -67,12 +70,9 @@ class ParallelismSection(Section):
     tp: PositiveInt = Field(1, description="Tensor-parallel degree (kept inside a node).")
     cp: PositiveInt = Field(1, description="Context-parallel degree (static upper bound).")
     pp: PositiveInt = Field(1, description="Pipeline-parallel degree.")
-    cp_impl: Literal["ring", "ulysses", "usp"] = "ring"
+    cp_impl: CPImpl = Field("ring", description="Attention across a CP group: ring, ulysses "
+                            "(heads split by all-to-all) or usp (Ulysses inside, ring across).")
     dynamic_cp: bool = Field(False, description="Choose the CP size per micro-batch with the solver.")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.cp * self.pp
 
 
 class ModelSection(Section):

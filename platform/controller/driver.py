@@ -16,9 +16,9 @@ class UnsupportedJob(ValueError):
 
 
 def check_supported(cfg: JobConfig) -> None:
-    """What the controller's workers can run today: data and context parallelism (ring, static
-    or dynamic). The trainer has no tensor or pipeline parallelism yet, and Ulysses/USP need
-    sub-groups commgroup does not create yet."""
+    """What the controller's workers can run today: data and context parallelism (static or
+    dynamic; ring, Ulysses or USP attention). The trainer has no tensor or pipeline
+    parallelism yet."""
     par = cfg.parallelism
     if par.tp * par.pp > 1:
         raise UnsupportedJob(
@@ -28,11 +28,6 @@ def check_supported(cfg: JobConfig) -> None:
         raise UnsupportedJob(
             "dynamic context parallelism splits sequences across workers; a one-worker job has "
             "nothing to split. Set parallelism.dynamic_cp to false or add workers.")
-    if (par.cp > 1 or par.dynamic_cp) and par.cp_impl != "ring":
-        raise UnsupportedJob(
-            f"a controller job runs context parallelism with ring attention; cp_impl {par.cp_impl!r} "
-            "needs Ulysses sub-groups that commgroup does not create yet. Set parallelism.cp_impl "
-            "to 'ring'.")
 
 
 def run_job(cfg: JobConfig, redis_url: str, *, on_event: Callable[[str], None] | None = None,

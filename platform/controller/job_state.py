@@ -106,3 +106,15 @@ class JobRecordStore:
 
     def events(self, last: int = 50) -> list[dict]:
         return [json.loads(item) for item in self.client.lrange(self.events_key, -last, -1)]
+
+
+def job_status(client: redis.Redis, job: str, events: int = 10) -> dict[str, Any]:
+    """What `longrun status` shows: state, attempt, step, evicted nodes and the last events."""
+    store = JobRecordStore(client, job)
+    record = store.read()
+    if record is None:
+        return {"job": job, "state": None}
+    return {"job": job, "state": str(record.state), "attempt": record.attempt, "step": record.step,
+            "fields": {k: v for k, v in record.fields.items() if k not in ("state", "attempt", "step")},
+            "evicted": store.evicted(), "restarts": len(store.restarts()),
+            "events": store.events(events)}

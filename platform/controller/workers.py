@@ -4,42 +4,27 @@ The controller only decides; this is where it touches Ray. Everything it needs f
 is the small `WorkerGroup` surface below, so the controller's state machine can be stepped in
 tests against a fake group (tests/test_controller_steps.py) with no Ray at all.
 
-How a rank ended is translated here, once, into what the health policy understands:
-finished (its summary), `nan` (NonFiniteError), `exception` (any other error it raised) or
-`dead` (its process is gone: SIGKILL, OOM, a removed node).
+How a rank ended is translated into what the health policy understands in `outcomes.py`;
+the group adds what only it knows: a dead rank whose node Ray reports dead is `node_lost`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Protocol
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 
 from longrun.config import JobConfig
+from longrun.controller.outcomes import RankEnded, dead_nodes, fault_kind_of, last_line, outcome, unwrap
 from longrun.controller.placement import Placement, place, worker_bundle
 from longrun.kinds import FaultKind
 from longrun.worker.actor import TrainWorker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankEnded:
-    """A rank whose run() returned: `summary` when it finished, else the failure's kind."""
-
-    rank: int
-    summary: dict[str, Any] | None = None
-    kind: str | None = None  # "nan", "exception" or "dead" when it failed
-    step: int | None = None
-    detail: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.kind is None
 
 
 class WorkerGroup(Protocol):
@@ -54,7 +39,12 @@ class WorkerGroup(Protocol):
 
 
 class LaunchFailed(RuntimeError):
-    """The attempt's workers could not be started (an actor died or did not answer)."""
+    """The attempt's workers could not be started (an actor died or did not answer); `kind`
+    is `fatal` when the cause would recur on any node (a config the workers reject)."""
+
+    def __init__(self, message: str, kind: str = FaultKind.EXCEPTION):
+        super().__init__(message)
+        self.kind = kind
 
 
 class Launcher(Protocol):
@@ -86,6 +76,7 @@ class RayWorkerGroup:
         self.node_ids = placement.node_ids
         self.actors = actors
         self._runs: dict[Any, int] = {}  # pending run() ref -> rank
+        self._lost: set[str] = set()  # nodes already reported lost
 
     def node_of(self, rank: int) -> str:
         return self.placement.node_of(rank)
@@ -100,7 +91,7 @@ class RayWorkerGroup:
             try:
                 reports[refs[ref]] = ray.get(ref)
             except RayError as exc:
-                why = f"the self-check failed: {_last_line(exc)[:200]}"
+                why = f"the self-check failed: {last_line(exc)[:200]}"
                 reports[refs[ref]] = self._failed_check(refs[ref], why)
         for rank in set(refs.values()) - set(reports):
             reports[rank] = self._failed_check(rank, f"the self-check did not answer within {timeout_s:g} s")
@@ -120,7 +111,25 @@ class RayWorkerGroup:
         if not self._runs:
             return []
         done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=timeout_s)
-        return [_outcome(ref, self._runs.pop(ref)) for ref in done]
+        return self._blame_lost_nodes([outcome(ref, self._runs.pop(ref)) for ref in done])
+
+    def _blame_lost_nodes(self, ended: list[RankEnded]) -> list[RankEnded]:
+        """Dead ranks whose node Ray reports dead: the node is the fault (`node_lost`, once per
+        node: its other ranks stay `dead`, their processes went with it)."""
+        dead = {self.node_of(e.rank) for e in ended if e.kind == FaultKind.DEAD}
+        gone = dead_nodes(dead) if dead else set()
+        blamed = []
+        for e in ended:
+            node = self.node_of(e.rank)
+            if e.kind != FaultKind.DEAD or node not in gone:
+                blamed.append(e)
+            elif node in self._lost:
+                blamed.append(replace(e, detail=f"rank {e.rank}'s process went with its node {node}"))
+            else:
+                self._lost.add(node)
+                blamed.append(replace(e, kind=FaultKind.NODE_LOST, detail=(
+                    f"Ray reports node {node} dead; rank {e.rank}'s process went with it")))
+        return blamed
 
     def stop(self, confirm_timeout_s: float = 30.0) -> None:
         """Kill the actors and wait until Ray reports them dead: a spare taking a rank's place
@@ -176,7 +185,8 @@ class RayLauncher:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             self.release()
-            raise LaunchFailed(f"attempt {attempt}'s workers did not start: {_last_line(exc)[:300]}") from exc
+            raise LaunchFailed(f"attempt {attempt}'s workers did not start: {last_line(exc)[:300]}",
+                               kind=fault_kind_of(unwrap(exc))) from exc
         return RayWorkerGroup(self.placement, actors)
 
     def warm_spares(self) -> None:
@@ -208,8 +218,8 @@ class RayLauncher:
                                  **actor_options(cfg)).remote()
 
     def _reusable(self, evicted: set[str]) -> bool:
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        return all(n in alive and n not in evicted for n in self.placement.node_ids)
+        nodes = self.placement.node_ids
+        return not dead_nodes(nodes) and not evicted.intersection(nodes)
 
     def _take_spares(self) -> list[Any]:
         """The spares, if every one of them is alive and warm; else none (start fresh)."""
@@ -225,24 +235,3 @@ class RayLauncher:
             for spare in spares:
                 ray.kill(spare, no_restart=True)
             return []
-
-
-def _last_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__
-
-
-def _outcome(ref, rank: int) -> RankEnded:
-    try:
-        return RankEnded(rank, summary=ray.get(ref))
-    except RayTaskError as exc:
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        # Errors say what kind of fault they are (`fault_kind`: NonFiniteError is a NaN; data,
-        # config and checkpoint mismatches are fatal); anything else is an exception.
-        kind = str(getattr(cause, "fault_kind", FaultKind.EXCEPTION))
-        return RankEnded(rank, kind=kind, step=getattr(cause, "step", None),
-                         detail=f"rank {rank} raised {type(cause).__name__}: {_last_line(cause)}")
-    except RayActorError as exc:
-        return RankEnded(rank, kind="dead", detail=f"rank {rank}'s process died ({type(exc).__name__})")
-    except RayError as exc:  # e.g. an exception Ray could not bring back: still a failure
-        return RankEnded(rank, kind="exception", detail=f"rank {rank} failed: {_last_line(exc)[:300]}")

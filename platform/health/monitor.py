@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from longrun.config.sections import HealthSection
 from longrun.health.heartbeat import Heartbeat
-from longrun.kinds import SLOW_PHASES, FaultKind
+from longrun.health.rank_track import RankTrack
+from longrun.kinds import FaultKind
 
 __all__ = ["Fault", "FaultKind", "HealthMonitor"]
-STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
-MIN_ADVANCES_TO_LEARN = 2  # step advances seen before the learned timeout replaces the ceiling
 LOSS_WINDOW = 32  # recent distinct-step losses a new loss is compared against
 # Steps of loss history kept (and handed to the next attempt): a resume goes back up to one
 # checkpoint interval, and the steps before it must still be there to judge against.
@@ -43,29 +41,6 @@ class Fault:
     detail: str  # one sentence for operators
 
 
-@dataclass(slots=True)
-class _RankTrack:
-    """What the monitor remembers about one rank between polls."""
-
-    seen: bool = False
-    step: int | None = None
-    phase: str = "starting"
-    last_seen_at: float = 0.0  # caller clock of the last poll that had this rank's heartbeat
-    last_sent_at: float | None = None  # publisher clock of that heartbeat
-    progress_at: float = 0.0  # judging clock of the last step advance (or exit from a slow phase)
-    interval_clean: bool = False  # nothing but steps since progress_at: the interval is a step time
-    advances: int = 0
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIME_WINDOW))
-    learned_timeout_s: float | None = None
-    hang_reported_step: int | None = None
-    dead: bool = False
-    dead_sent_at: float | None = None  # the last heartbeat before death; only a newer one revives
-    slow_streak: int = 0
-    streak_step: int | None = None  # the last step judged for straggling
-    straggling: bool = False
-    finished: bool = False  # completed its work: no longer judged (its heartbeat will expire)
-
-
 class HealthMonitor:
     def __init__(self, world_size: int, health: HealthSection, *, started_at: float,
                  startup_grace_s: float = 120.0, loss_history: Mapping[int, float] | None = None):
@@ -77,7 +52,7 @@ class HealthMonitor:
         self.health = health
         self.started_at = started_at
         self.startup_grace_s = startup_grace_s
-        self._ranks = [_RankTrack() for _ in range(world_size)]
+        self._ranks = [RankTrack() for _ in range(world_size)]
         self._blind_s = 0.0  # total seconds the store was unreachable: the judging clock stood still
         self._outage_since: float | None = None
         self._last_poll_at: float | None = None
@@ -104,7 +79,7 @@ class HealthMonitor:
         clock = now - self._blind_s
         dead: list[Fault] = []
         hangs: list[Fault] = []
-        straggler_candidates: list[tuple[int, _RankTrack, Heartbeat]] = []
+        straggler_candidates: list[tuple[int, RankTrack, Heartbeat]] = []
         step_times: list[float] = []
         nan_steps: dict[int, tuple[int, int]] = {}  # step -> (lowest rank reporting it, how many)
         loss_beat: Heartbeat | None = None
@@ -124,8 +99,8 @@ class HealthMonitor:
                 # heartbeat published after the death (a restarted process) brings the rank back.
                 if track.dead_sent_at is not None and beat.sent_at <= track.dead_sent_at:
                     continue
-                track = self._ranks[rank] = _RankTrack()
-            self._follow(track, beat, now, clock)
+                track = self._ranks[rank] = RankTrack()
+            track.follow(beat, now, clock, self.health)
             if fault := self._judge_hang(rank, track, now, clock):
                 hangs.append(fault)
             if beat.step_time_s is not None:
@@ -161,7 +136,7 @@ class HealthMonitor:
 
     def hang_timeout_s(self, rank: int) -> float:
         """The current hang timeout of a rank, for status and metrics."""
-        return self._timeout_for(self._ranks[rank])
+        return self._ranks[rank].hang_timeout_s(self.health)
 
     # ---- rules ----------------------------------------------------------------------------
 
@@ -176,7 +151,7 @@ class HealthMonitor:
         # missing keys are no evidence of death for a while.
         self._missing_tolerated_until = now + self.health.store_outage_grace_s
 
-    def _judge_missing(self, rank: int, track: _RankTrack, now: float, clock: float) -> Fault | None:
+    def _judge_missing(self, rank: int, track: RankTrack, now: float, clock: float) -> Fault | None:
         """DEAD: the heartbeat key expired, so the worker has not refreshed it within the timeout."""
         if now < self._missing_tolerated_until:
             return None
@@ -194,65 +169,11 @@ class HealthMonitor:
         track.dead_sent_at = track.last_sent_at
         return Fault(FaultKind.DEAD, rank, track.step, now, detail)
 
-    def _follow(self, track: _RankTrack, beat: Heartbeat, now: float, clock: float) -> None:
-        """Update a rank's progress clock and step-time window from its latest heartbeat."""
-        slow_phase = beat.phase in SLOW_PHASES
-        if not track.seen:
-            track.seen = True
-            track.step = beat.step
-            track.progress_at = clock
-            track.interval_clean = False  # first sighting is mid-step: no interval to measure yet
-        elif beat.step > track.step:
-            self._learn_step_time(track, beat, clock)
-            track.advances += 1
-            track.step = beat.step
-            track.progress_at = clock
-            track.interval_clean = True
-        elif beat.step < track.step:
-            # Restored from an earlier checkpoint: progress starts over from here.
-            track.step = beat.step
-            track.progress_at = clock
-            track.interval_clean = False
-            track.hang_reported_step = None
-        elif track.phase in SLOW_PHASES and not slow_phase:
-            # Leaving a checkpoint or restore: the ceiling covered its length; the step-sized
-            # timeout starts counting now, or a long save would read as a hang right after it.
-            track.progress_at = clock
-            track.interval_clean = False
-        if slow_phase:
-            track.interval_clean = False  # the interval includes non-step work: not a step time
-        track.phase = beat.phase
-        track.last_seen_at = now
-        track.last_sent_at = beat.sent_at
-
-    def _learn_step_time(self, track: _RankTrack, beat: Heartbeat, clock: float) -> None:
-        # The worker's own step_time_s misses time lost outside its timer (a stuck collective
-        # before the timer starts); the wall time between sightings misses nothing but is coarse
-        # and covers several steps when they are faster than the poll. Keep the larger.
-        samples = [] if beat.step_time_s is None else [beat.step_time_s]
-        if track.interval_clean:
-            samples.append((clock - track.progress_at) / (beat.step - track.step))
-        if not samples:
-            return
-        track.durations.append(max(samples))
-        # Progress becomes visible only when the worker publishes and we poll, so a timeout below
-        # two heartbeat intervals would flag healthy fast ranks between sightings.
-        floor = max(self.health.hang_min_s, 2 * self.health.heartbeat_interval_s)
-        learned = self.health.hang_safety_factor * max(track.durations)
-        track.learned_timeout_s = min(self.health.hang_timeout_s, max(floor, learned))
-
-    def _timeout_for(self, track: _RankTrack) -> float:
-        # Until two advances were seen, or in a phase that is not a step, the hard ceiling applies.
-        if (track.learned_timeout_s is None or track.advances < MIN_ADVANCES_TO_LEARN
-                or track.phase in SLOW_PHASES):
-            return self.health.hang_timeout_s
-        return track.learned_timeout_s
-
-    def _judge_hang(self, rank: int, track: _RankTrack, now: float, clock: float) -> Fault | None:
+    def _judge_hang(self, rank: int, track: RankTrack, now: float, clock: float) -> Fault | None:
         """HANG: the heartbeat is fresh but the step has not advanced for longer than the timeout."""
         if track.hang_reported_step == track.step:
             return None  # once per (rank, step)
-        timeout = self._timeout_for(track)
+        timeout = track.hang_timeout_s(self.health)
         stalled = clock - track.progress_at
         if stalled <= timeout:
             return None
@@ -262,7 +183,7 @@ class HealthMonitor:
                      f"rank {rank} made no progress past step {track.step} in phase '{track.phase}' "
                      f"for {stalled:.1f} s (timeout {timeout:.1f} s, {basis})")
 
-    def _judge_stragglers(self, candidates: list[tuple[int, _RankTrack, Heartbeat]],
+    def _judge_stragglers(self, candidates: list[tuple[int, RankTrack, Heartbeat]],
                           step_times: list[float], now: float) -> list[Fault]:
         """STRAGGLER: slower than factor x the median of live ranks for `patience` distinct steps in a row."""
         if len(step_times) < MIN_RANKS_FOR_STRAGGLERS:

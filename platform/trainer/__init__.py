@@ -1,5 +1,16 @@
-"""The training itself: a Llama-style model over packed documents, the data pipeline, the
-learning-rate schedule and the step loop (single process; parallelism is layered on top)."""
+"""The training itself, one rank's view; it never talks to Ray.
+
+    trainer.py       Trainer: the step (data -> forward/backward -> clip -> optimizer), train, state
+    step.py          StepWork: what one step computes on this rank, the same shape for every layout
+    parallelize.py   every parallelism applied to the model in one fixed order (DDP today)
+    data_parallel.py DDP with a summing hook, accumulation without syncs, fixed bucket layout
+    model.py         Llama-style decoder over packed variable-length documents
+    data.py, packing.py, tokenizer.py   corpora, the resumable sampler, packing with prefetch
+    schedule.py, optim.py   the LR schedule, AdamW
+    progress.py, errors.py, runtime.py, flops.py   step metrics and the progress line, NaN
+                     errors, device/seeds/RNG state, peak FLOP/s for MFU
+    cp/              context parallelism and the dynamic-CP planner
+"""
 
 from longrun.trainer.data import (
     Corpus,
@@ -10,7 +21,9 @@ from longrun.trainer.data import (
     SyntheticCorpus,
     build_corpus,
 )
+from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.model import Transformer, packed_causal_attention
+from longrun.trainer.optim import build_optimizer
 from longrun.trainer.packing import (
     IGNORE_INDEX,
     MicroBatch,
@@ -18,17 +31,10 @@ from longrun.trainer.packing import (
     build_micro_batch,
     packed_micro_batches,
 )
+from longrun.trainer.progress import ProgressPrinter, StepMetrics
 from longrun.trainer.schedule import build_scheduler, lr_multiplier, lr_schedule
 from longrun.trainer.tokenizer import ByteTokenizer
-from longrun.trainer.trainer import (
-    NonFiniteError,
-    NonFiniteGradientError,
-    NonFiniteLossError,
-    ProgressPrinter,
-    StepMetrics,
-    Trainer,
-    build_optimizer,
-)
+from longrun.trainer.trainer import Trainer
 
 __all__ = [
     "IGNORE_INDEX",

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from longrun.config.sections import DataSection, LengthDistribution, ModelSection
+from longrun.kinds import FaultKind
 from longrun.trainer.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 class DataError(ValueError):
     """The data source cannot be used as configured; the message says what to change."""
+
+    fault_kind = FaultKind.FATAL  # recurs on any node: the controller ends the job, no restart
 
 
 class Corpus:

@@ -1,13 +1,19 @@
-"""The training step loop: data -> forward/backward -> clip -> step.
+"""The training step: data -> forward/backward -> clip -> optimizer, one path for every layout.
 
     python -c "from longrun.config import config_from_dict; from longrun.trainer import Trainer;
                Trainer(config_from_dict({'job': {'name': 'demo'}})).train()"
+
+A step reads top to bottom in `train_step`: `_next_step` (this rank's `StepWork`, see
+`step.py`), `forward_backward` (every micro-batch, gradients synchronised in the last one's
+backward), the NaN checks, clipping, the `before_update` hooks, the optimizer. The model was
+wrapped once by `parallelize` (`parallelize.py`), so the step does not know which parallelisms
+are on. Phases (`on_phase`) mark where the rank is, for heartbeats and metrics.
 
 One optimizer step runs `training.grad_accum` micro-batches. The loss is normalised per token:
 each micro-batch's summed token losses are divided by the number of loss tokens in the *whole
 step*, so the gradient is that of the step's mean token loss however the tokens happen to be
 split into micro-batches (packing makes micro-batch sizes vary). With data parallelism the
-count is summed over the ranks first and the ranks' gradients are summed (`parallel.py`), so
+count is summed over the ranks first and the ranks' gradients are summed (`data_parallel.py`), so
 the result is the gradient of the global batch's mean token loss, however the documents were
 split across ranks.
 
@@ -20,14 +26,9 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import resource
-import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -36,20 +37,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longrun.config import JobConfig
-from longrun.config.sections import TrainingSection
-from longrun.kinds import FaultKind
-from longrun.trainer.cp.attention import ContextParallelAttention
-from longrun.trainer.cp.batches import (
-    ContextParallelSetup,
-    PlannedStep,
-    RankMicroBatch,
-    cp_attention_for,
-    planned_steps,
-)
-from longrun.trainer.cp.layout import LocalShard
+from longrun.kinds import Phase
+from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch, planned_steps
 from longrun.trainer.cp.planner import Plan
 from longrun.trainer.data import DocumentSampler, build_corpus
+from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.model import Transformer
+from longrun.trainer.optim import build_optimizer
 from longrun.trainer.packing import (
     IGNORE_INDEX,
     MicroBatch,
@@ -57,161 +51,24 @@ from longrun.trainer.packing import (
     build_micro_batch,
     packed_micro_batches,
 )
-from longrun.trainer.parallel import DataParallel
+from longrun.trainer.parallelize import parallelize
+from longrun.trainer.progress import ProgressPrinter, StepMetrics
+from longrun.trainer.runtime import (
+    peak_memory_bytes,
+    resolve_device,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
 from longrun.trainer.schedule import build_scheduler
+from longrun.trainer.step import MicroBatchWork, StepWork, plain_step, planned_step, planned_work
 from longrun.trainer.tokenizer import ByteTokenizer
 
+# Re-exported: callers import these from the trainer module.
+__all__ = ["NonFiniteError", "NonFiniteGradientError", "NonFiniteLossError", "ProgressPrinter",
+           "StepMetrics", "Trainer", "build_optimizer", "resolve_device"]
+
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """A step produced NaN/inf (`quantity` is "loss" or "gradient norm"); the weights were
-    not updated. `step` is the 1-based step that failed."""
-
-    fault_kind = FaultKind.NAN  # how the controller classifies it (controller/workers.py)
-
-    def __init__(self, step: int, quantity: str, value: float):
-        self.step, self.quantity, self.value = step, quantity, value
-        super().__init__(
-            f"{quantity} is {value} at step {step}: training diverged or the weights or data hold "
-            "NaN/inf; resume from an earlier checkpoint, lower training.lr or check the data"
-        )
-
-
-    def __reduce__(self):
-        # Rebuilt from the constructor's own arguments: the default pickling would call
-        # __init__ with the message alone, so the error could not cross process boundaries
-        # (a Ray worker raising it to the controller).
-        return type(self), (self.step, self.quantity, self.value)
-
-
-class NonFiniteLossError(NonFiniteError):
-    def __init__(self, step: int, loss: float):
-        super().__init__(step, "loss", loss)
-        self.loss = loss
-
-    def __reduce__(self):
-        return type(self), (self.step, self.loss)
-
-
-class NonFiniteGradientError(NonFiniteError):
-    def __init__(self, step: int, grad_norm: float):
-        super().__init__(step, "gradient norm", grad_norm)
-        self.grad_norm = grad_norm
-
-    def __reduce__(self):
-        return type(self), (self.step, self.grad_norm)
-
-
-@dataclass
-class StepMetrics:
-    step: int  # 1-based count of optimizer steps done
-    loss: float  # mean token loss of the step
-    grad_norm: float  # global norm before clipping
-    lr: float  # learning rate this step used
-    tokens: int  # input tokens in the step
-    tokens_per_s: float
-    step_time_s: float  # data wait included; tokens and tokens_per_s are this rank's
-    data_wait_s: float  # time blocked on the data pipeline
-    mfu: float | None  # model FLOPs utilisation; None without a peak FLOPs figure
-    memory_bytes: int  # peak CUDA memory allocated this step, or the process's peak RSS on CPU
-
-
-def _hms(seconds: float) -> str:
-    return str(timedelta(seconds=round(max(seconds, 0.0))))
-
-
-class ProgressPrinter:
-    """One line per `every` steps (and the last), like torchtitan's:
-    step 12/100  loss 4.1234  grad_norm 1.23  lr 3.0e-04  tok/s 12,345  elapsed 0:00:05  eta 0:00:30
-    The eta extrapolates the mean step time of the steps this printer has seen."""
-
-    def __init__(self, total_steps: int, every: int = 1,
-                 write: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.total_steps, self.every, self.clock = total_steps, every, clock
-        self.write = write or (lambda line: print(line, file=sys.stdout, flush=True))
-        self._start: float | None = None
-        self._first_step = 0
-
-    def __call__(self, m: StepMetrics) -> None:
-        now = self.clock()
-        if self._start is None:  # count from the start of the first step seen
-            self._start, self._first_step = now - m.step_time_s, m.step - 1
-        if m.step % self.every == 0 or m.step >= self.total_steps:
-            self.write(self.format(m, now - self._start))
-
-    def format(self, m: StepMetrics, elapsed_s: float) -> str:
-        done = max(m.step - self._first_step, 1)
-        eta = elapsed_s / done * max(self.total_steps - m.step, 0)
-        parts = [
-            f"step {m.step}/{self.total_steps}", f"loss {m.loss:.4f}",
-            f"grad_norm {m.grad_norm:.2f}", f"lr {m.lr:.1e}", f"tok/s {m.tokens_per_s:,.0f}",
-        ]
-        if m.mfu is not None:
-            parts.append(f"mfu {100 * m.mfu:.1f}%")
-        parts.append(f"mem {m.memory_bytes / 2**30:.2f}GiB")
-        parts += [f"elapsed {_hms(elapsed_s)}", f"eta {_hms(eta)}"]
-        return "  ".join(parts)
-
-
-def resolve_device(setting: str, device: torch.device | str | None = None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("cluster.device is 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
-    return torch.device(setting)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # CUDA generators too
-
-
-def rng_state() -> dict[str, Any]:
-    """Every generator's state as tensors and plain Python values only, so a checkpoint of
-    it loads with `torch.load(weights_only=True)` (which refuses numpy arrays)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                       float(gauss)),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss,
-                         gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def build_optimizer(model: torch.nn.Module, training: TrainingSection,
-                    device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices (linear weights, embeddings), never on norm gains.
-    The fused kernel where torch has one for the device, else the multi-tensor one."""
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": training.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=training.lr, betas=training.betas,
-                             fused=fused, foreach=None if fused else True)
-
-
-def _memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class Trainer:
@@ -243,8 +100,8 @@ class Trainer:
             raise ValueError("pass dp_group or context_parallel (whose span group is the dp x cp "
                              "ranks), not both")
         sync_group = context_parallel.span_group if context_parallel is not None else dp_group
-        self.dp = DataParallel(self.model, sync_group, bucket_mb=cfg.training.grad_sync_bucket_mb,
-                               prime=self._priming_loss)
+        self.dp = parallelize(self.model, cfg.dims, cfg.training, replica_group=sync_group,
+                              prime=self._priming_loss)
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
@@ -298,80 +155,76 @@ class Trainer:
         self.close()
 
     # -- one step ----------------------------------------------------------------------------
-    def _summed_token_loss(self, model: torch.nn.Module, mb: MicroBatch | LocalShard,
-                           context_parallel: ContextParallelAttention | None = None) -> torch.Tensor:
-        self.on_phase("forward")
-        mb = mb.to(self.device, non_blocking=True)
+    def _summed_token_loss(self, model: torch.nn.Module, inputs, attention=None) -> torch.Tensor:
+        self.on_phase(Phase.FORWARD)
+        inputs = inputs.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.training.dtype == "bfloat16"):
-            if context_parallel is None:
-                logits = model(mb.tokens, mb.positions, mb.cu_seqlens)
+            if attention is None:
+                logits = model(inputs.tokens, inputs.positions, inputs.cu_seqlens)
             else:
-                logits = model(mb.tokens, mb.positions, context_parallel=context_parallel)
-        return F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
+                logits = model(inputs.tokens, inputs.positions, context_parallel=attention)
+        return F.cross_entropy(logits.float(), inputs.targets, ignore_index=IGNORE_INDEX,
                                reduction="sum")
 
     def _priming_loss(self, model: torch.nn.Module) -> torch.Tensor:
         """A two-token document through the whole model: enough for DDP to learn the order
-        in which gradients become ready (see parallel.py), at next to no cost."""
+        in which gradients become ready (see data_parallel.py), at next to no cost."""
         return self._summed_token_loss(
             model, build_micro_batch([np.array([self.tokenizer.BOS, self.tokenizer.EOS])]))
 
-    def forward_backward(self, batches: list[MicroBatch]) -> tuple[float, float]:
-        """Accumulate into .grad the gradient of the global batch's mean token loss (all
-        `batches` of every data-parallel rank); return that loss and this rank's training
-        FLOPs (model FLOPs, for MFU)."""
-        # Summed over the ranks before any backward, so every rank divides by the same count.
-        loss_tokens = self.dp.all_reduce_sum(
-            torch.tensor(sum(mb.n_tokens for mb in batches), device=self.device))
-        loss_tokens.clamp_(min=1)
+    def forward_backward(self, work: StepWork | list[MicroBatch]) -> tuple[float, float]:
+        """Accumulate into .grad the gradient of the global batch's mean token loss (every
+        micro-batch of every rank of the replica span); return that loss and this rank's
+        training FLOPs (model FLOPs, for MFU). Every rank runs the same number of
+        micro-batches; gradients are synchronised during the last one's backward. A rank idle
+        in the last micro-batch still joins that synchronisation with a zero-weight pass;
+        idle earlier ones are skipped."""
+        if not isinstance(work, StepWork):
+            work = plain_step(work)
+        if work.loss_tokens is None:
+            # Each rank knows only its own count: summed before any backward, so every rank
+            # divides by the same number.
+            loss_tokens = self.dp.all_reduce_sum(
+                torch.tensor(sum(w.documents.n_tokens for w in work.micro_batches), device=self.device))
+            loss_tokens.clamp_(min=1)
+        else:
+            loss_tokens = max(work.loss_tokens, 1)
         loss_sum = torch.zeros((), device=self.device)
         flops = 0.0
-        for i, mb in enumerate(batches):
-            flops += self.model.flops_of_documents(mb.seq_lens)
-            with self.dp.micro_batch(last=i == len(batches) - 1):
-                loss = self._summed_token_loss(self.dp.forward, mb)
-                self.on_phase("backward")
-                (loss / loss_tokens).backward()
-            loss_sum += loss.detach()
-        self.on_phase("sync")
-        return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
-
-    def forward_backward_planned(self, step: PlannedStep) -> tuple[float, float]:
-        """`forward_backward` under context parallelism: this rank's micro-batches of a planned
-        global batch, each on its CP group. Every rank runs the same number of micro-batches;
-        gradients are synchronised (summed over dp x cp) during the last one's backward. A
-        rank idle in the last micro-batch still joins that synchronisation with a zero-weight
-        pass; idle earlier ones are skipped."""
-        assert self.cp is not None
-        loss_tokens = max(step.loss_tokens, 1)  # the whole global batch's, known to every rank
-        loss_sum = torch.zeros((), device=self.device)
-        flops = 0.0
-        for i, rmb in enumerate(step.micro_batches):
-            last = i == len(step.micro_batches) - 1
-            if rmb.idle and not last:
+        for i, mb in enumerate(work.micro_batches):
+            last = i == len(work.micro_batches) - 1
+            if mb.idle and not last:
                 continue
-            loss_sum += self.micro_batch_pass(rmb, last=last, loss_tokens=loss_tokens)
-            if not rmb.idle:  # this rank's share of its group's work
-                flops += self.model.flops_of_documents(rmb.batch.seq_lens) / rmb.group.cp
-        self.on_phase("sync")
+            loss_sum += self._micro_batch(mb, last=last, loss_tokens=loss_tokens)
+            if not mb.idle:  # this rank's share of its group's work
+                flops += self.model.flops_of_documents(mb.documents.seq_lens) / mb.share
+        self.on_phase(Phase.SYNC)
         return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 
-    def micro_batch_pass(self, rmb: RankMicroBatch, *, last: bool, loss_tokens: int) -> torch.Tensor:
-        """Forward and backward of one planned micro-batch on its CP group (gradients
-        synchronised only when `last`); returns its summed token loss (detached)."""
-        assert self.cp is not None
+    def _micro_batch(self, mb: MicroBatchWork, *, last: bool, loss_tokens) -> torch.Tensor:
+        """Forward and backward of one micro-batch (gradients synchronised only when `last`);
+        returns its summed token loss (detached)."""
         with self.dp.micro_batch(last=last):
-            if rmb.idle:  # joins the gradient synchronisation, contributes nothing
+            if mb.idle:  # joins the gradient synchronisation, contributes nothing
                 loss = self._priming_loss(self.dp.forward) * 0.0
-            elif rmb.shard is None:
-                loss = self._summed_token_loss(self.dp.forward, rmb.batch)
             else:
-                attn = cp_attention_for(rmb, self.cp, self.device)
-                loss = self._summed_token_loss(self.dp.forward, rmb.shard, attn)
-            self.on_phase("backward")
+                attention = mb.attention() if mb.attention is not None else None
+                loss = self._summed_token_loss(self.dp.forward, mb.inputs, attention)
+            self.on_phase(Phase.BACKWARD)
             (loss / loss_tokens).backward()
         return loss.detach()
+
+    def micro_batch_pass(self, rmb: RankMicroBatch, *, last: bool, loss_tokens: int) -> torch.Tensor:
+        """One planned micro-batch on its CP group (what the CP calibration times)."""
+        assert self.cp is not None
+        return self._micro_batch(planned_work(rmb, self.cp, self.device), last=last,
+                                 loss_tokens=loss_tokens)
+
+    def forward_backward_planned(self, step: PlannedStep) -> tuple[float, float]:
+        """`forward_backward` of this rank's part of a planned global batch."""
+        assert self.cp is not None
+        return self.forward_backward(planned_step(step, self.cp, self.device))
 
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (before clipping); clipped to training.grad_clip unless 0."""
@@ -381,28 +234,30 @@ class Trainer:
             return torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
 
+    def _next_step(self) -> tuple[StepWork, float]:
+        """The next step's work and the seconds spent waiting for it. Under context
+        parallelism the wait is for a planned global batch, so the phase is "plan"."""
+        data = self._data()
+        if self.cp is not None:
+            self.on_phase(Phase.PLAN)
+            planned = next(data)
+            return planned_step(planned, self.cp, self.device), data.last_wait_s
+        self.on_phase(Phase.DATA)
+        batches, wait = [], 0.0
+        for _ in range(self.cfg.training.grad_accum):
+            batches.append(next(data))
+            wait += data.last_wait_s
+        return plain_step(batches), wait
+
     def train_step(self) -> StepMetrics:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.on_phase("data")
-        data, wait = self._data(), 0.0
-        batches: list[MicroBatch] = []
-        planned: PlannedStep | None = None
-        if self.cp is None:
-            for _ in range(self.cfg.training.grad_accum):
-                batches.append(next(data))
-                wait += data.last_wait_s
-        else:
-            planned = next(data)
-            wait = data.last_wait_s
+        work, wait = self._next_step()
         lr = self.scheduler.get_last_lr()[0]
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            if planned is None:
-                loss_value, flops = self.forward_backward(batches)
-            else:
-                loss_value, flops = self.forward_backward_planned(planned)
+            loss_value, flops = self.forward_backward(work)
             if not math.isfinite(loss_value):
                 raise NonFiniteLossError(self.step + 1, loss_value)
             # A finite loss can still back-propagate inf (an overflow in one layer); stepping
@@ -415,24 +270,22 @@ class Trainer:
             # state_dict() and a retry in this process agree with the weights.
             self.close()
             raise
-        self.on_phase("optimizer")
+        self.on_phase(Phase.OPTIMIZER)
         for hook in self.before_update:
             hook()
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        self._data_state = batches[-1].sampler_state if planned is None else planned.sampler_state
-        self.last_plan = planned.plan if planned is not None else None
+        self._data_state = work.sampler_state
+        self.last_plan = work.plan
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
         step_time = time.perf_counter() - start
-        tokens = (sum(len(mb.tokens) for mb in batches) if planned is None
-                  else sum(len(r.batch.tokens) // r.group.cp for r in planned.micro_batches if r.batch))
         return StepMetrics(
-            step=self.step, loss=loss_value, grad_norm=grad_norm_value, lr=lr, tokens=tokens,
-            tokens_per_s=tokens / step_time, step_time_s=step_time, data_wait_s=wait,
+            step=self.step, loss=loss_value, grad_norm=grad_norm_value, lr=lr, tokens=work.tokens,
+            tokens_per_s=work.tokens / step_time, step_time_s=step_time, data_wait_s=wait,
             mfu=flops / step_time / self.peak_flops if self.peak_flops else None,
-            memory_bytes=_memory_bytes(self.device),
+            memory_bytes=peak_memory_bytes(self.device),
         )
 
     def train(self, steps: int | None = None,
@@ -459,18 +312,12 @@ class Trainer:
         to a loss spike that came back at the same data). The step still counts and the
         learning-rate schedule moves on, so the rest of the run sees the same step numbers
         and the same data it would have seen."""
-        self.on_phase("data")
-        data = self._data()
-        if self.cp is None:
-            for _ in range(self.cfg.training.grad_accum):
-                state = next(data).sampler_state
-        else:
-            state = next(data).sampler_state
+        work, _ = self._next_step()
         with warnings.catch_warnings():  # skipping step 1 moves the schedule before any update
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.scheduler.step()
         self.step += 1
-        self._data_state = state
+        self._data_state = work.sampler_state
         log.warning("skipped step %d: its data was consumed without training", self.step)
 
     # -- state -------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class TrainWorker:
         start = time.perf_counter()
         import torch  # noqa: F401
 
-        import longrun.checkpoint
+        import longrun.checkpoint.checkpointer  # the package itself imports lazily
         import longrun.commgroup
         import longrun.health.diagnostics
         import longrun.health.faults

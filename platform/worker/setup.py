@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from longrun.commgroup import NodeSpec, ParallelGroups, init_parallel_groups, make_layout
-from longrun.commgroup import ParallelDims as GroupDims
 from longrun.config import JobConfig
 from longrun.trainer import Trainer
 from longrun.trainer.flops import peak_flops
@@ -51,13 +50,12 @@ def worker_device(cfg: JobConfig) -> torch.device:
 
 def join_groups(cfg: JobConfig, *, rank: int, attempt: int, redis_url: str, node_ids: list[str],
                 device: torch.device) -> ParallelGroups:
-    """Every communication group of this attempt, through the Redis rendezvous."""
-    par = cfg.parallelism
+    """Every communication group of this attempt, through the Redis rendezvous: those the
+    job's parallel dims need, CP's Ulysses/USP sub-groups included."""
     # The layout orders nodes by name; prefixing the placement index keeps rank r on the node
     # the controller placed it on (node_ids[r // workers_per_node]).
     nodes = [NodeSpec(f"{i:05d}-{n}") for i, n in enumerate(node_ids)]
-    layout = make_layout(nodes, cfg.cluster.workers_per_node,
-                         GroupDims(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp))
+    layout = make_layout(nodes, cfg.cluster.workers_per_node, cfg.dims)
     return init_parallel_groups(redis_url, job=cfg.job.name, attempt=attempt, rank=rank,
                                 layout=layout, backend=backend_for(device),
                                 device=device if device.type == "cuda" else None)
@@ -68,13 +66,12 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
     """The trainer, and its replicas. Without context parallelism the replicas are the
     data-parallel group; with it, every rank of the dp x cp span holds the same weights and
     the same data position (all draw the same global batch), so the span is the group."""
-    par = cfg.parallelism
     peak = peak_flops(device, cfg.cluster.peak_tflops)
-    if par.cp == 1 and not par.dynamic_cp:
+    if not cfg.dims.cp_enabled:
         dp_group = groups.dp if groups else None
         trainer = Trainer(cfg, device, dp_group=dp_group, peak_flops=peak)
         return trainer, _replicas(dp_group)
-    from longrun.trainer.cp.batches import setup_from_parallel_groups
+    from longrun.trainer.cp.batches import one_rank_setup, setup_from_parallel_groups
     from longrun.trainer.cp.calibration import load_or_calibrate
     from longrun.trainer.cp.planner import CostModel
 
@@ -83,11 +80,11 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
     provisional = CostModel.for_model(cfg.model, linear_s_per_token=1e-6, attn_s_per_token2=1e-9,
                                       ring_block_s_per_token2=1e-9, p2p_latency_s=1e-4,
                                       p2p_s_per_byte=1e-9, micro_batch_overhead_s=1e-3)
-    setup = setup_from_parallel_groups(groups, cost=provisional, dynamic=par.dynamic_cp,
-                                       static_cp=par.cp, impl=par.cp_impl)
+    setup = (setup_from_parallel_groups(groups, cost=provisional) if groups is not None
+             else one_rank_setup(provisional, cfg.dims))
     trainer = Trainer(cfg, device, context_parallel=setup, peak_flops=peak)
     load_or_calibrate(os.path.join(cfg.job.output_dir, cfg.job.name, "cp-calibration"), trainer)
-    return trainer, _replicas(groups.dp_cp)
+    return trainer, _replicas(setup.span_group)
 
 
 def _replicas(group: dist.ProcessGroup | None) -> Replicas:

@@ -15,8 +15,7 @@ static and dynamic runs differ only in the plan.
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,120 +23,91 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longrun.config import JobConfig
-from longrun.trainer.cp.attention import CPGroups, CPImpl, build_cp_groups, usp_ulysses_size
+from longrun.parallel_dims import ParallelDims
+from longrun.trainer.cp.attention import ContextParallelAttention, CPGroups
 from longrun.trainer.cp.layout import LocalShard, ShardLayout
-from longrun.trainer.cp.planner import CostModel, Group, Plan, plan_dynamic, plan_static
+from longrun.trainer.cp.planner import CostModel, Plan, PlannedGroup, plan_dynamic, plan_static
 from longrun.trainer.packing import MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
-    from longrun.commgroup.init import ParallelGroups
+    from longrun.commgroup.groups import ParallelGroups
 
 
 @dataclass
 class ContextParallelSetup:
     """Everything a trainer needs to run context parallelism on this rank."""
 
-    span_group: dist.ProcessGroup | None  # the dp x cp ranks: gradients are summed over it
+    dims: ParallelDims  # the job's layout: span, static cp or dynamic sizes, attention impl
+    span_group: dist.ProcessGroup | None  # the span's ranks: gradients are summed over it
     span_rank: int
-    span_size: int
     groups: dict[int, CPGroups]  # CP size -> this rank's groups of that size
     cost: CostModel
-    dynamic: bool
-    static_cp: int  # the group size when not dynamic
+
+    @property
+    def span_size(self) -> int:
+        return self.dims.span
 
     @property
     def max_cp(self) -> int:
-        return max(self.groups)
+        return self.dims.widest_cp
 
     def plan(self, lengths: np.ndarray, token_budget: int) -> Plan:
-        if self.dynamic:
+        if self.dims.dynamic_cp:
             return plan_dynamic(lengths, self.span_size, token_budget, self.cost, max_cp=self.max_cp)
-        return plan_static(lengths, self.span_size, token_budget, self.cost, self.static_cp)
+        return plan_static(lengths, self.span_size, token_budget, self.cost, self.dims.cp)
 
 
-def aligned_blocks(span: list[int], size: int) -> list[list[int]]:
-    """The span's ranks cut into consecutive blocks of `size`: the CP groups of that size (a
-    block never straddles a data-parallel replica when size <= cp, as topology.py lays out)."""
-    return [span[i:i + size] for i in range(0, len(span) - size + 1, size)]
-
-
-def _ulysses_degree(impl: CPImpl, size: int, ulysses_size: int, n_heads: int | None) -> int:
-    """How many ranks of a CP group of `size` split the heads (1: pure ring)."""
+def cp_groups_for(groups: ParallelGroups, size: int, dims: ParallelDims | None = None) -> CPGroups:
+    """This rank's groups for attention over a CP group of `size` ranks, as the dims (by
+    default the layout's) ask: the whole CP group for ring or Ulysses, USP's sub-groups."""
+    if size == 1:
+        return CPGroups.alone()
+    dims = dims or groups.layout.dims
+    whole = groups.cp_group(size)
+    rank, u = dist.get_rank(whole), dims.ulysses_degree(size)
+    impl = dims.attention_impl(size)
     if impl == "ring":
-        return 1
-    u = size if impl == "ulysses" else min(ulysses_size, size)
-    if n_heads is not None:  # a group wider than the head count divides: Ulysses inside, ring across
-        u = math.gcd(u, n_heads & -n_heads)  # the largest power of two dividing both
-    return u
+        return CPGroups(impl, size, rank, 1, None, whole)
+    if impl == "ulysses":
+        return CPGroups(impl, size, rank, u, whole, None)
+    ulysses, ring = groups.attention_groups(size)
+    if ulysses is None or ring is None:
+        raise ValueError(f"USP over {size} ranks needs Ulysses and ring sub-groups that this layout "
+                         f"({groups.layout.dims}) did not form; form the groups for these dims")
+    return CPGroups(impl, size, rank, u, ulysses, ring)
 
 
-def build_setup(span: list[int], rank: int, *, cost: CostModel, dynamic: bool, static_cp: int,
-                impl: CPImpl = "ring", ulysses_size: int = 1, n_heads: int | None = None,
-                new_group: Callable[..., Any] = dist.new_group) -> ContextParallelSetup:
-    """Create the CP groups a run may use: a dynamic run every power of two dividing the
-    span (the sizes commgroup creates too, so every rank sees the same largest size and plans
-    alike), a static run the one size. For a world that is one span (every rank of the default
-    group calls this collectively with the same `span`, increasing); with tensor or pipeline
-    parallelism use `setup_from_parallel_groups` over commgroup's groups."""
-    if span != sorted(span) or rank not in span:
-        raise ValueError(f"the span must list ranks in increasing order and hold rank {rank}: {span}")
-    if dist.is_initialized() and len(span) != dist.get_world_size():
-        raise ValueError(f"build_setup needs the span to be the whole world ({dist.get_world_size()} "
-                         f"ranks), got {len(span)}; use setup_from_parallel_groups")
-    n = len(span)
-    sizes = [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0] if dynamic else [static_cp]
-    groups: dict[int, CPGroups] = {}
-    for size in sizes:
-        if size == 1:
-            groups[1] = CPGroups("ring", 1, 0, 1, None, None)
-            continue
-        u = _ulysses_degree(impl, size, ulysses_size, n_heads)
-        kind: CPImpl = "ring" if u == 1 else "ulysses" if u == size else "usp"
-        mine = build_cp_groups(aligned_blocks(span, size), rank, kind, ulysses_size=u,
-                               new_group=new_group)
-        if mine is not None:
-            groups[size] = mine
-    span_group = new_group(span) if n > 1 else None
-    return ContextParallelSetup(span_group, span.index(rank), n, groups, cost, dynamic, static_cp)
+def setup_from_parallel_groups(groups: ParallelGroups, *, cost: CostModel,
+                               dims: ParallelDims | None = None) -> ContextParallelSetup:
+    """The setup over the groups commgroup brought up for this attempt (the CP package creates
+    none): the span group (dp_cp), and per CP size the run uses its CP group, with USP's
+    Ulysses and ring sub-groups, for the attention `parallelism.cp_impl` asks for. `dims`:
+    plan with other dims over the same groups (e.g. static and dynamic CP side by side on
+    one world); by default the layout's."""
+    dims = dims or groups.layout.dims
+    if dims.span != groups.layout.dims.span:
+        raise ValueError(f"dims with a span of {dims.span} ranks over groups whose span is "
+                         f"{groups.layout.dims.span}")
+    span = groups.dp_cp
+    return ContextParallelSetup(dims, span if dims.span > 1 else None, dist.get_rank(span),
+                                {size: cp_groups_for(groups, size, dims) for size in dims.cp_sizes}, cost)
 
 
-def setup_from_config(cfg: JobConfig, span: list[int], rank: int, *, cost: CostModel,
-                      new_group: Callable[..., Any] = dist.new_group) -> ContextParallelSetup:
-    """`build_setup` as the job's `parallelism` section asks: static CP of size `cp` or dynamic
-    CP up to dp x cp, attention by `cp_impl` (USP splits each group as `usp_ulysses_size`)."""
-    par = cfg.parallelism
-    return build_setup(span, rank, cost=cost, dynamic=par.dynamic_cp, static_cp=par.cp,
-                       impl=par.cp_impl, ulysses_size=usp_ulysses_size(par.cp, cfg.model.n_heads),
-                       n_heads=cfg.model.n_heads, new_group=new_group)
-
-
-def setup_from_parallel_groups(groups: ParallelGroups, *, cost: CostModel, dynamic: bool,
-                               static_cp: int, impl: CPImpl = "ring") -> ContextParallelSetup:
-    """The setup over the groups commgroup already brought up (no new communicators): the
-    dp x cp group as the span, its power-of-two sub-groups (dynamic) or the cp group (static)
-    for ring attention."""
-    if impl != "ring":
-        raise ValueError(f"cp_impl {impl!r} needs Ulysses sub-groups that commgroup does not "
-                         "create yet; use cp_impl 'ring' with commgroup's groups, or build_setup")
-    span_group = groups.dp_cp
-    cp_groups = {1: CPGroups("ring", 1, 0, 1, None, None)}
-    chosen = groups.dynamic_cp if dynamic else {static_cp: groups.cp}
-    for size, pg in chosen.items():
-        if size > 1:
-            cp_groups[size] = CPGroups("ring", size, dist.get_rank(pg), 1, None, pg)
-    if not dynamic:
-        cp_groups = {static_cp: cp_groups[static_cp]} if static_cp > 1 else cp_groups
-    size = dist.get_world_size(span_group)
-    return ContextParallelSetup(span_group if size > 1 else None, dist.get_rank(span_group), size,
-                                cp_groups, cost, dynamic, static_cp)
+def one_rank_setup(cost: CostModel, dims: ParallelDims | None = None) -> ContextParallelSetup:
+    """The setup of a world of one rank (dynamic CP by default): every document trains
+    without CP, through the same planned path; no process group."""
+    dims = dims or ParallelDims(dynamic_cp=True)
+    if dims.span != 1:
+        raise ValueError(f"a one-rank setup needs a span of 1 rank, got {dims.span}; form the "
+                         "groups with commgroup and use setup_from_parallel_groups")
+    return ContextParallelSetup(dims, None, 0, {1: CPGroups.alone()}, cost)
 
 
 @dataclass
 class RankMicroBatch:
     """This rank's part of one planned micro-batch."""
 
-    group: Group  # its CP group in this micro-batch (cp, first rank, documents)
+    group: PlannedGroup  # its CP group in this micro-batch (cp, first rank, documents)
     batch: MicroBatch | None  # the group's documents packed; None when the group is idle
     shard: LocalShard | None  # this rank's slice of `batch` when the group has cp > 1
 
@@ -190,8 +160,6 @@ def planned_steps(global_batches: Iterator[MicroBatch], setup: ContextParallelSe
 
 def cp_attention_for(rmb: RankMicroBatch, setup: ContextParallelSetup, device: torch.device):
     """The attention object the model uses for this micro-batch (None: plain packed)."""
-    from longrun.trainer.cp.attention import ContextParallelAttention
-
     if rmb.shard is None:
         return None
     return ContextParallelAttention(rmb.shard.layout, setup.groups[rmb.group.cp], device)

@@ -35,10 +35,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from longrun.parallel_dims import padded_tokens_per_rank
 from longrun.trainer.cp.batches import RankMicroBatch
-from longrun.trainer.cp.cost import CostModel, padded_tokens_per_rank
+from longrun.trainer.cp.cost import CostModel
 from longrun.trainer.cp.layout import ShardLayout
-from longrun.trainer.cp.planner import Group
+from longrun.trainer.cp.plan import PlannedGroup
 from longrun.trainer.packing import MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
@@ -135,8 +136,81 @@ def _pass_time(trainer: Trainer, rmb: RankMicroBatch, repeats: int, *, last: boo
     return float(np.median(times))
 
 
-def _micro_batch(lengths: list[int], rng: np.random.Generator, vocab: int) -> MicroBatch:
-    return build_micro_batch([rng.integers(0, vocab, size=n) for n in lengths])
+@dataclasses.dataclass
+class _Sampler:
+    """The shapes calibration measures: drawn from the same seed on every rank, with this
+    rank's place in the span, for a budget of tokens per rank."""
+
+    trainer: Trainer
+    lengths: np.ndarray
+    budget: int
+    rng: np.random.Generator
+
+    def batch(self, lengths: list[int]) -> MicroBatch:
+        vocab = self.trainer.cfg.model.vocab_size
+        return build_micro_batch([self.rng.integers(0, vocab, size=n) for n in lengths])
+
+    def alone(self, lengths: list[int]) -> RankMicroBatch:
+        me = self.trainer.cp.span_rank
+        return RankMicroBatch(PlannedGroup(1, me, tuple(range(len(lengths))), 0.0), self.batch(lengths), None)
+
+    def in_group(self, lengths: list[int], cp: int) -> RankMicroBatch:
+        me = self.trainer.cp.span_rank
+        batch, first = self.batch(lengths), me - me % cp
+        shard = ShardLayout.of(batch, cp).shard(batch, me - first)
+        return RankMicroBatch(PlannedGroup(cp, first, tuple(range(len(lengths))), 0.0), batch, shard)
+
+
+def _fit_without_cp(sampler: _Sampler, shapes: int, repeats: int) -> tuple[float, float, float, float]:
+    """(overhead, per token, per token^2, gradient sync) of micro-batches without CP: typical
+    packed ones plus the extremes (short documents only, one long document), fitted to
+    overhead + per-token x tokens + per-token^2 x sum(L^2); the sync is a synchronised pass
+    minus an unsynchronised one."""
+    trainer, budget = sampler.trainer, sampler.budget
+    cp1 = [sample_micro_batch(sampler.lengths, budget, sampler.rng) for _ in range(shapes)]
+    cp1 += [[8] * max(budget // 64, 1), [8] * max(budget // 8, 2), [budget]]
+    times = [_pass_time(trainer, sampler.alone(lens), repeats) for lens in cp1]
+    overhead, per_token, attn = _fit_nonnegative(
+        [[1.0, sum(lens), float(sum(n * n for n in lens))] for lens in cp1], times)
+    sync = max(_pass_time(trainer, sampler.alone(cp1[0]), repeats, last=True) - times[0], 0.0)
+    return overhead, per_token, attn, sync
+
+
+def _fit_ring(sampler: _Sampler, cost: CostModel, cp: int, shapes: int, repeats: int) -> CostModel:
+    """The ring, on the largest CP group: what is left after the linear part and the modelled
+    exposed communication, fitted per ring step to overhead + per-s^2 x sum(s^2) (s: a
+    sequence's tokens on one rank). The exposure depends on the fit (a bigger block hides
+    more), so fit, subtract, and fit once more."""
+    budget, longest = sampler.budget, sampler.trainer.cfg.model.max_seq_len
+    shapes_ring = [sample_micro_batch(sampler.lengths, budget * cp, sampler.rng) for _ in range(shapes // 2)]
+    shapes_ring.append([min(budget * cp - 2 * cp, longest)])
+    rows, rest = [], []
+    for lens in shapes_ring:
+        rmb = sampler.in_group(lens, cp)
+        s = np.array([padded_tokens_per_rank(n, cp) for n in lens], dtype=np.float64)
+        rows.append([float(cp), cp * float((s * s).sum())])
+        linear = cost.micro_batch_overhead_s + cost.linear_s_per_token * s.sum()
+        rest.append(_pass_time(sampler.trainer, rmb, repeats) - linear)
+    for _ in range(2):
+        step_overhead, ring_block = _fit_nonnegative(
+            rows, [r - _exposed(cost, lens, cp) for r, lens in zip(rest, shapes_ring, strict=True)])
+        cost = dataclasses.replace(cost, ring_block_s_per_token2=ring_block,
+                                   ring_step_overhead_s=step_overhead)
+    return cost
+
+
+def _mean_over_span(trainer: Trainer, cost: CostModel) -> CostModel:
+    """Every rank measured at the same time, as they will train (contention on a shared host
+    is part of the cost): all take the mean of the compute terms, so all plan alike."""
+    setup = trainer.cp
+    if setup.span_group is None:
+        return cost
+    names = ("linear_s_per_token", "attn_s_per_token2", "ring_block_s_per_token2",
+             "micro_batch_overhead_s", "ring_step_overhead_s", "step_overhead_s")
+    mean = torch.tensor([getattr(cost, n) for n in names], dtype=torch.float64, device=trainer.device)
+    dist.all_reduce(mean, group=setup.span_group)
+    mean /= setup.span_size
+    return dataclasses.replace(cost, **dict(zip(names, mean.tolist(), strict=True)))
 
 
 def calibrate(trainer: Trainer, sample_lengths: np.ndarray | None = None, *,
@@ -147,63 +221,22 @@ def calibrate(trainer: Trainer, sample_lengths: np.ndarray | None = None, *,
     setup = trainer.cp
     if setup is None:
         raise ValueError("calibration needs a trainer with a context-parallel setup")
-    cfg, device = trainer.cfg.model, trainer.device
-    budget = min(trainer.cfg.data.micro_batch_tokens, cfg.max_seq_len)
+    model = trainer.cfg.model
+    budget = min(trainer.cfg.data.micro_batch_tokens, model.max_seq_len)
     rng = np.random.default_rng(0)  # the same shapes on every rank
     if sample_lengths is None:
         sample_lengths = np.clip(rng.lognormal(np.log(budget / 2), 1.0, 4096), 8, budget).astype(int)
-    me = setup.span_rank
-
-    def alone(lens):
-        return RankMicroBatch(Group(1, me, tuple(range(len(lens))), 0.0),
-                              _micro_batch(lens, rng, cfg.vocab_size), None)
-
-    # Without CP: typical packed micro-batches plus the extremes (short documents only, one
-    # long document), fitted to overhead + per-token x tokens + per-token^2 x sum(L^2).
-    cp1 = [sample_micro_batch(sample_lengths, budget, rng) for _ in range(shapes)]
-    cp1 += [[8] * max(budget // 64, 1), [8] * max(budget // 8, 2), [budget]]
-    times = [_pass_time(trainer, alone(lens), repeats) for lens in cp1]
-    overhead, per_token, attn = _fit_nonnegative(
-        [[1.0, sum(lens), float(sum(n * n for n in lens))] for lens in cp1], times)
-    sync = max(_pass_time(trainer, alone(cp1[0]), repeats, last=True) - times[0], 0.0)
-    # The ring, on the largest CP group: what is left after the linear part and the modelled
-    # exposed communication, fitted per ring step to overhead + per-s^2 x sum(s^2)
-    # (s: a sequence's tokens on one rank). The exposure depends on the fit (a bigger block
-    # hides more), so fit, subtract, and fit once more.
+    sampler = _Sampler(trainer, sample_lengths, budget, rng)
+    overhead, per_token, attn, sync = _fit_without_cp(sampler, shapes, repeats)
     element_size = 2 if trainer.cfg.training.dtype == "bfloat16" else 4  # K/V on the wire
     latency, per_byte = _link(trainer, budget, element_size, repeats)
     cost = CostModel.for_model(
-        cfg, linear_s_per_token=per_token, attn_s_per_token2=attn, ring_block_s_per_token2=0.0,
+        model, linear_s_per_token=per_token, attn_s_per_token2=attn, ring_block_s_per_token2=0.0,
         micro_batch_overhead_s=overhead, step_overhead_s=sync, p2p_latency_s=latency,
         p2p_s_per_byte=per_byte, element_size=element_size)
-    cp = max(setup.groups)
-    if cp > 1:
-        shapes_ring = [sample_micro_batch(sample_lengths, budget * cp, rng) for _ in range(shapes // 2)]
-        shapes_ring.append([min(budget * cp - 2 * cp, cfg.max_seq_len)])
-        rows, rest = [], []
-        for lens in shapes_ring:
-            batch = _micro_batch(lens, rng, cfg.vocab_size)
-            first = me - me % cp
-            shard = ShardLayout.of(batch, cp).shard(batch, me - first)
-            rmb = RankMicroBatch(Group(cp, first, tuple(range(len(lens))), 0.0), batch, shard)
-            s = np.array([padded_tokens_per_rank(n, cp) for n in lens], dtype=np.float64)
-            rows.append([float(cp), cp * float((s * s).sum())])
-            rest.append(_pass_time(trainer, rmb, repeats) - overhead - per_token * s.sum())
-        for _ in range(2):
-            step_overhead, ring_block = _fit_nonnegative(
-                rows, [r - _exposed(cost, lens, cp) for r, lens in zip(rest, shapes_ring, strict=True)])
-            cost = dataclasses.replace(cost, ring_block_s_per_token2=ring_block,
-                                       ring_step_overhead_s=step_overhead)
-    if setup.span_group is not None:
-        # Every rank measured at the same time, as they will train (contention on a shared
-        # host is part of the cost): all take the mean of the compute terms.
-        names = ("linear_s_per_token", "attn_s_per_token2", "ring_block_s_per_token2",
-                 "micro_batch_overhead_s", "ring_step_overhead_s", "step_overhead_s")
-        mean = torch.tensor([getattr(cost, n) for n in names], dtype=torch.float64, device=device)
-        dist.all_reduce(mean, group=setup.span_group)
-        mean /= setup.span_size
-        cost = dataclasses.replace(cost, **dict(zip(names, mean.tolist(), strict=True)))
-    return cost
+    if setup.max_cp > 1:
+        cost = _fit_ring(sampler, cost, setup.max_cp, shapes, repeats)
+    return _mean_over_span(trainer, cost)
 
 
 def _exposed(cost: CostModel, lengths: list[int], cp: int) -> float:
@@ -220,7 +253,7 @@ def calibration_path(directory: str | os.PathLike[str], trainer: Trainer) -> Pat
     device = trainer.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = "|".join([trainer.cfg.model.model_dump_json(), trainer.cfg.training.dtype,
-                    trainer.cfg.parallelism.cp_impl, str(setup.span_size), str(max(setup.groups)),
+                    trainer.cfg.parallelism.cp_impl, str(setup.span_size), str(setup.max_cp),
                     str(trainer.cfg.data.micro_batch_tokens), name, torch.__version__])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(directory) / f"cp_cost_model-{digest}.json"

@@ -20,21 +20,13 @@ import numpy as np
 
 if TYPE_CHECKING:
     from longrun.config.sections import ModelSection
-    from longrun.trainer.cp.planner import Plan
+    from longrun.trainer.cp.plan import Plan
 
 COST_MODEL_FORMAT = "longrun.dynamic_cp.CostModel/2"
 
 
-def padded_tokens_per_rank(length: int, cp: int) -> int:
-    """Tokens one rank of a size-`cp` group holds for one sequence: the sequence is padded to a
-    multiple of 2*cp and cut into 2*cp zigzag chunks, two per rank."""
-    if cp == 1:
-        return length
-    return -(-length // (2 * cp)) * 2
-
-
 def padded_shares(lengths: np.ndarray, cp: int) -> np.ndarray:
-    """`padded_tokens_per_rank` over an int64 array."""
+    """`padded_tokens_per_rank` (`longrun.parallel_dims`) over an int64 array."""
     if cp == 1:
         return lengths
     return -(-lengths // (2 * cp)) * 2

@@ -1,0 +1,163 @@
+"""The save methods bench/checkpoint.py compares, each timed the same way (run that script;
+this file is not a bench). Its docstring says what each method does and measures."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import time
+
+import torch
+
+from longrun.checkpoint.writer import fsync_dir  # a durable save also syncs its directory
+
+METHODS = ("longrun", "sync", "dcp", "dcp_cached", "memcpy")
+
+
+def sync_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def evict(path: str) -> None:
+    """Drop the (clean, fsynced) pages of every file under `path` from the page cache, so the
+    next read comes from the disk. No root needed."""
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def same_weights(a, b) -> bool:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --- the methods ------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, trainer, fresh, ckpt, root: str):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from longrun.checkpoint.snapshot import tensors_of
+
+        self.trainer, self.fresh, self.ckpt, self.root = trainer, fresh, ckpt, root
+        self.dcp_save = dcp.async_save
+        self.on_gpu = trainer.device.type == "cuda"
+        # async_save's own default when no stager is given (synchronous staging, no shared
+        # memory), but kept, so its storages are cached; pinned on a GPU like longrun's buffers.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.on_gpu, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self.sources = [t.detach() for _, t in tensors_of(trainer.state_dict())]
+        self.buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.on_gpu)
+                        for t in self.sources]
+        self.rows: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+        self.first: dict[str, float] = {}
+
+    def clean(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        gc.collect()
+
+    def longrun(self) -> dict[str, float]:
+        ckpt = self.ckpt
+        ckpt.flush()  # the previous save is committed: steady state, not waiting on it
+        sync_device()
+        start = time.perf_counter()
+        returned = ckpt.save(self.trainer)
+        ckpt.before_update()  # a GPU copy still in flight must finish before the optimizer
+        blocking = time.perf_counter() - start
+        result = ckpt.flush()
+        e2e = time.perf_counter() - start
+        if result is None or not result.committed:
+            raise RuntimeError(f"the longrun save did not commit: {result}")
+        evict(ckpt.root)
+        start = time.perf_counter()
+        restored = ckpt.restore(self.fresh)
+        sync_device()
+        restore = time.perf_counter() - start
+        if restored is None or not same_weights(self.trainer, self.fresh):
+            raise RuntimeError("the longrun restore did not reproduce the saved weights")
+        start = time.perf_counter()
+        ckpt.restore(self.fresh)
+        sync_device()
+        restore_warm = time.perf_counter() - start
+        self.clean(ckpt.root)
+        return {"blocking_s": blocking, "save_return_s": returned, "e2e_s": e2e,
+                "write_s": result.write_s, "restore_s": restore, "restore_warm_s": restore_warm}
+
+    def sync(self) -> dict[str, float]:
+        folder = os.path.join(self.root, "sync")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "state.pt")
+        sync_device()
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(self.trainer.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(folder)
+        blocking = time.perf_counter() - start
+        evict(folder)
+        start = time.perf_counter()
+        self.fresh.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        sync_device()
+        restore = time.perf_counter() - start
+        self.clean(folder)
+        return {"blocking_s": blocking, "e2e_s": blocking, "restore_s": restore}
+
+    def _dcp(self, name: str, stager) -> dict[str, float]:
+        folder = os.path.join(self.root, name)
+        sync_device()
+        start = time.perf_counter()
+        kwargs = {} if stager is None else {"async_stager": stager}
+        future = self.dcp_save(self.trainer.state_dict(), checkpoint_id=folder, **kwargs)
+        blocking = time.perf_counter() - start
+        future.result()
+        e2e = time.perf_counter() - start
+        self.clean(folder)
+        return {"blocking_s": blocking, "e2e_s": e2e}
+
+    def dcp_default(self) -> dict[str, float]:
+        return self._dcp("dcp", None)
+
+    def dcp_cached(self) -> dict[str, float]:
+        return self._dcp("dcp_cached", self.stager)
+
+    def memcpy(self) -> dict[str, float]:
+        sync_device()
+        start = time.perf_counter()
+        for dst, src in zip(self.buffers, self.sources, strict=True):
+            dst.copy_(src, non_blocking=self.on_gpu)
+        sync_device()
+        return {"blocking_s": time.perf_counter() - start}
+
+    def run(self, method: str) -> dict[str, float]:
+        row = getattr(self, "dcp_default" if method == "dcp" else method)()
+        gc.collect()
+        return row
+
+    def breakdown(self, reps: int) -> dict[str, float]:
+        """Where longrun's blocking time goes, with the writer idle: building the state dict,
+        and the stage copy (HostStager.stage of the same shards save() stages, until ready)."""
+        from longrun.checkpoint.manifest import model_shard_name, rank_shard_name, split_state
+
+        self.ckpt.flush()
+        times: dict[str, list[float]] = {"state_dict_s": [], "stage_s": []}
+        for _ in range(reps):
+            start = time.perf_counter()
+            state = self.trainer.state_dict()
+            times["state_dict_s"].append(time.perf_counter() - start)
+            replicated, per_rank = split_state(state)
+            start = time.perf_counter()
+            snap = self.ckpt.stager.stage({rank_shard_name(0): per_rank, model_shard_name(0): replicated})
+            snap.wait()
+            times["stage_s"].append(time.perf_counter() - start)
+        return {k: statistics.median(v) for k, v in times.items()}

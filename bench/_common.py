@@ -1,0 +1,47 @@
+"""What the bench scripts share (not a bench itself): progress lines, argument parsing, free ports.
+
+The scripts run as `python bench/NAME.py`, so bench/ is first on sys.path (in the processes
+they spawn too) and `import _common` finds this file."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import socket
+import sys
+from collections.abc import Callable
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """Progress goes to stderr, prefixed with the bench's name; stdout ends with the JSON line."""
+
+    def log(msg: str) -> None:
+        print(f"[{name}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose --help prints the script's docstring as written."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def listen_port() -> int:
+    """A free port below the ephemeral range. Ports picked now and bound later (say a TCPStore
+    per repeat) must not be taken in between by the thousands of outgoing connections gloo
+    opens, which draw from the ephemeral range."""
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = min(low, int(f.read().split()[0]) - 2000)
+    except OSError:
+        pass
+    for _ in range(1000):
+        port = random.randrange(max(low - 8000, 1024), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")

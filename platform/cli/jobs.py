@@ -1,0 +1,111 @@
+"""`longrun submit|status|logs|stop|list`: jobs on a Ray cluster, through its Jobs API."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich_argparse import RichHelpFormatter
+
+from longrun.cli.common import ADDRESS_HELP, add_config_args, address, console, load, out
+
+
+def add_parsers(sub) -> None:
+    submit = sub.add_parser("submit", formatter_class=RichHelpFormatter,
+                            help="submit a job to a Ray cluster (its controller runs there)",
+                            description="Validate the config here, then submit the longrun controller as a "
+                            "Ray job, with this longrun shipped along (the cluster's python needs longrun's "
+                            "dependencies, not longrun). Waits and streams the job's log unless --no-wait.")
+    add_config_args(submit)
+    submit.add_argument("--address", default=None, help=ADDRESS_HELP)
+    submit.add_argument("--no-wait", action="store_true", help="return once submitted")
+    submit.add_argument("--python", default=None, metavar="PYTHON",
+                        help="the interpreter that runs the controller on the cluster's head, on its PATH "
+                        "or a path there: one with torch, ray and longrun's other dependencies "
+                        "(default: python3)")
+    submit.set_defaults(func=cmd_submit)
+    for name, summary, func in (
+        ("status", "the job's state: Ray's view and the controller's (attempt, step, evictions, events)",
+         cmd_status),
+        ("logs", "the job's log", cmd_logs),
+        ("stop", "stop a job", cmd_stop),
+    ):
+        p = sub.add_parser(name, formatter_class=RichHelpFormatter, help=summary, description=summary)
+        p.add_argument("id", help="the submission id `longrun submit` printed")
+        p.add_argument("--address", default=None, help=ADDRESS_HELP)
+        p.set_defaults(func=func)
+    sub.choices["logs"].add_argument("--follow", "-f", action="store_true",
+                                     help="keep streaming until the job ends")
+    sub.choices["status"].add_argument(
+        "--redis-url", default=None, metavar="URL",
+        help="read the job record from this Redis (default: $LONGRUN_REDIS_URL, else the one the job's "
+        "config named, its password from $LONGRUN_REDIS_PASSWORD); without one, the controller's log")
+    jobs = sub.add_parser("list", formatter_class=RichHelpFormatter, help="longrun jobs on a Ray cluster")
+    jobs.add_argument("--address", default=None, help=ADDRESS_HELP)
+    jobs.set_defaults(func=cmd_list)
+
+
+def _print_chunk(chunk: str) -> None:
+    print(chunk, end="", flush=True)
+
+
+def cmd_submit(args) -> int:
+    from longrun import submit
+
+    cfg = load(args)  # a bad config is refused here, before anything reaches the cluster
+    cluster = address(args)
+    with console.status(f"shipping longrun and submitting job {cfg.job.name} to {cluster}"):
+        job = submit.submit(cfg, cluster, python=args.python)
+    console.print(f"submitted [bold]{job.id}[/] to {cluster}, with {job.shipment.describe()}",
+                  highlight=False)
+    if args.no_wait:
+        print(job.id)
+        return 0
+    submit.logs(cluster, job.id, follow=True, write=_print_chunk)
+    final = submit.wait(cluster, job.id, timeout_s=60)
+    console.print(f"job {job.id}: {final}", highlight=False)
+    return 0 if final == "SUCCEEDED" else 1
+
+
+def cmd_status(args) -> int:
+    from longrun import submit
+
+    info = submit.status(address(args), args.id, redis_url=args.redis_url)
+    view = info["controller"]
+    out.print(f"job {info['id']}: ray {info['ray_status']}"
+              + (f" ({escape(info['message'])})" if info["message"] else ""), highlight=False)
+    out.print(f"source: {escape(view.source)}", highlight=False)
+    out.print(f"controller: {view.state or 'not started'}"
+              + (f" ({escape(view.reason)})" if view.reason else ""), highlight=False)
+    out.print(f"attempt {view.attempt}, step {view.step or '-'}"
+              + (f", loss {view.loss:.4f}" if view.loss is not None else ""), highlight=False)
+    out.print(f"evicted nodes: {', '.join(view.evicted) or 'none'}", highlight=False)
+    for line in view.events:
+        out.print(f"  {escape(line)}", highlight=False)
+    if info["longrun"]:
+        out.print(f"longrun {escape(info['longrun'])}, shipped with the job", highlight=False)
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from longrun import submit
+
+    submit.logs(address(args), args.id, follow=args.follow, write=_print_chunk)
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from longrun import submit
+
+    stopped = submit.stop(address(args), args.id)
+    out.print(f"{args.id}: {'stop requested' if stopped else 'already ended'}", highlight=False)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from longrun import submit
+
+    jobs = submit.list_jobs(address(args))
+    if not jobs:
+        out.print("no longrun jobs on this cluster")
+    for job in jobs:
+        out.print(f"{job['id']}  {job['status']:10s}  {job['job']}", highlight=False)
+    return 0

@@ -1,0 +1,77 @@
+"""`longrun run`: a job on this machine, with an embedded Redis and Ray head unless the config
+names existing ones."""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+from rich.markup import escape
+from rich_argparse import RichHelpFormatter
+
+from longrun.cli.common import add_config_args, console, load
+
+
+def add_parsers(sub) -> None:
+    run = sub.add_parser("run", formatter_class=RichHelpFormatter,
+                         help="run a job here, starting Redis and Ray locally when none is configured",
+                         description="Run a job on this machine. Starts an embedded Redis and a Ray head "
+                         "on 127.0.0.1 unless cluster.redis_url / cluster.address name existing ones.")
+    add_config_args(run)
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    cfg = load(args)
+    from longrun.services.ray_head import LOOPBACK_ENV
+
+    if cfg.cluster.address is None:
+        # Ray reads these when it is first imported, so before anything imports it.
+        os.environ.update(LOOPBACK_ENV)
+    from longrun.controller.driver import check_supported
+
+    check_supported(cfg)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    console.print(f"[bold]longrun[/] job [bold]{cfg.job.name}[/]: {cfg.world_size} worker(s), "
+                  f"{cfg.training.steps} steps; resolved config in {run_dir / 'config.yaml'}")
+    summary = _run_with_services(cfg)
+    done = f"[green]done[/]: {summary['step']} steps"
+    if summary.get("resumed_from"):
+        done += f" (resumed from step {summary['resumed_from']})"
+    if summary.get("loss") is not None:
+        done += f", final loss {summary['loss']:.4f}"
+    console.print(done)
+    return 0
+
+
+def _run_with_services(cfg) -> dict:
+    """Run the job against the configured Redis and Ray, or embedded ones stopped at the end."""
+    import ray
+
+    from longrun.controller.driver import run_job
+    from longrun.services import EmbeddedRay, EmbeddedRedis
+
+    with ExitStack() as stack:
+        redis_url = cfg.cluster.redis_url
+        if redis_url is None:
+            with console.status("starting an embedded Redis on 127.0.0.1"):
+                server = stack.enter_context(EmbeddedRedis())
+            redis_url = server.url
+            console.print(f"redis: embedded on 127.0.0.1:{server.port} (password protected)")
+        address = cfg.cluster.address
+        if address is None:
+            with console.status("starting an embedded Ray head on 127.0.0.1 (takes ~10 s)"):
+                # One logical CPU per worker at least, so a multi-worker job fits on one machine.
+                head = stack.enter_context(EmbeddedRay(num_cpus=max(os.cpu_count() or 1, cfg.world_size)))
+            address = head.address
+            console.print(f"ray: embedded head at {address}, dashboard {head.dashboard_url}")
+        ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=True)
+        stack.callback(ray.shutdown)
+
+        def on_event(line: str) -> None:
+            console.print(f"[cyan]{escape(line)}[/]", highlight=False)
+
+        return run_job(cfg, redis_url, on_event=on_event)

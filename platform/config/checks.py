@@ -1,0 +1,110 @@
+"""Checks that need more than one section of a job's config.
+
+Each check reads the config and its `ParallelDims` (built once, by `parallel_dims`) and yields
+(dotted path, reason) pairs; a reason says what to change. `cross_section_problems` runs them
+all, so one validation reports every problem at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from longrun.parallel_dims import ParallelDims, is_power_of_two, parallel_dims
+
+if TYPE_CHECKING:
+    from longrun.config.job import JobConfig
+
+Problems = Iterator[tuple[str, str]]
+
+
+def _world_fills_the_cluster(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    cl = cfg.cluster
+    if dims.world_size != cl.workers:
+        yield "parallelism", (
+            f"dp x cp x tp x pp = {dims.dp} x {dims.cp} x {dims.tp} x {dims.pp} = {dims.world_size} "
+            f"ranks, but the cluster has nodes x workers_per_node = {cl.nodes} x "
+            f"{cl.workers_per_node} = {cl.workers} workers; change parallelism.dp to "
+            f"{_suggest_dp(dims, cl.workers)} or resize cluster.nodes / cluster.workers_per_node")
+
+
+def _suggest_dp(dims: ParallelDims, workers: int) -> str:
+    inner = dims.world_size // dims.dp
+    if workers % inner == 0:
+        return str(workers // inner)
+    return f"a value with dp x {inner} = {workers} (none exists: {workers} is not a multiple of {inner})"
+
+
+def _tp_inside_a_node(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    per_node = cfg.cluster.workers_per_node
+    if dims.tp > per_node or per_node % dims.tp:
+        yield "parallelism.tp", (f"tensor parallelism stays inside a node, so tp ({dims.tp}) must "
+                                 f"divide cluster.workers_per_node ({per_node})")
+
+
+def _heads_split_evenly(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    heads = cfg.model.n_heads
+    if cfg.parallelism.cp_impl == "ulysses" and heads % dims.cp:
+        yield "parallelism.cp_impl", (
+            f"Ulysses splits the attention heads across the CP group: model.n_heads ({heads}) must "
+            f"be divisible by cp ({dims.cp}); use cp_impl 'usp' or 'ring'")
+    if heads % dims.tp:
+        yield "parallelism.tp", f"model.n_heads ({heads}) must be divisible by tp ({dims.tp})"
+
+
+def _dynamic_cp_is_a_power_of_two(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    if dims.dynamic_cp and not is_power_of_two(dims.cp):
+        yield "parallelism.cp", (f"dynamic CP uses power-of-two CP groups; cp ({dims.cp}) must be "
+                                 "1, 2, 4, 8, ...")
+
+
+def _budget_holds_the_widest_share(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    # A sequence split over the widest CP group (static cp, or dynamic CP's largest power of
+    # two dividing the span) is padded to a multiple of 2 x its size (zigzag halves).
+    longest, budget = cfg.model.max_seq_len, cfg.data.micro_batch_tokens
+    share = dims.padded_share(longest)
+    if budget < share:
+        yield "data.micro_batch_tokens", (
+            f"a micro-batch of {budget} tokens per rank cannot hold one sequence of "
+            f"model.max_seq_len ({longest}) split over {dims.widest_cp} ranks (the widest CP group: "
+            f"{share} tokens each); raise micro_batch_tokens to {share} or lower max_seq_len")
+
+
+def _metrics_port_is_free(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    port, per_node = cfg.observability.metrics_port, cfg.cluster.workers_per_node
+    if port and per_node > 1:
+        yield "observability.metrics_port", (
+            f"{per_node} workers share a node and cannot all bind port {port}; leave it 0 (each "
+            "worker takes a free port and the controller's /sd lists them)")
+
+
+def _warmup_within_the_run(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    tr = cfg.training
+    if tr.warmup_steps > tr.steps:
+        yield "training.warmup_steps", (f"warmup ({tr.warmup_steps}) is longer than the run "
+                                        f"(training.steps = {tr.steps})")
+
+
+def _faults_name_real_ranks(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    for i, fault in enumerate(cfg.health.faults):
+        if fault.rank >= cfg.cluster.workers:
+            yield (f"health.faults[{i}].rank",
+                   f"rank {fault.rank} does not exist in a world of {cfg.cluster.workers} ranks")
+
+
+CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
+    _world_fills_the_cluster,
+    _tp_inside_a_node,
+    _metrics_port_is_free,
+    _dynamic_cp_is_a_power_of_two,
+    _heads_split_evenly,
+    _budget_holds_the_widest_share,
+    _warmup_within_the_run,
+    _faults_name_real_ranks,
+)
+
+
+def cross_section_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    """Every check that needs more than one section. Returns (dotted path, reason) pairs."""
+    dims = parallel_dims(cfg)
+    return [problem for check in CHECKS for problem in check(cfg, dims)]

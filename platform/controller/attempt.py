@@ -1,0 +1,76 @@
+"""One attempt: its worker group and everything the controller learns while watching it.
+
+A restart makes a new `Attempt` (`attempt.next(...)`) instead of resetting fields by hand,
+so nothing of a dead attempt leaks into the next one except what is handed on on purpose:
+the loss history (a spike right after a resume is judged against the steps before it) and
+the move into RECOVERING that the new attempt answers (where it resumes, and the time its
+recovery is measured from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from longrun.config.sections import HealthSection
+from longrun.controller.state import Transition
+from longrun.controller.workers import WorkerGroup
+from longrun.health.heartbeat import Heartbeat
+from longrun.health.monitor import HealthMonitor
+from longrun.health.policy import Incident
+from longrun.kinds import STARTING_PHASES, FaultKind
+
+
+@dataclass
+class Attempt:
+    number: int
+    recovery: Transition | None = None  # the move into RECOVERING this attempt answers, if any
+    loss_history: dict[int, float] = field(default_factory=dict)  # handed on by the previous attempt
+    group: WorkerGroup | None = None  # None before placement and once stopped
+    monitor: HealthMonitor | None = None  # from RENDEZVOUS on; survives a CONTINUE decision
+    summaries: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its run()'s summary
+    held: list[Incident] = field(default_factory=list)  # exceptions waiting for their cause
+    settle_until: float | None = None  # monitor clock: when held exceptions are decided anyway
+    trained: bool = False  # every rank has completed a step of this attempt
+    endpoints: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (metrics host:port, node)
+    last_beat_at: dict[int, float] = field(default_factory=dict)  # rank -> sent_at of its newest heartbeat
+
+    @property
+    def resume_before_step(self) -> int | None:
+        """Restore the newest checkpoint before this step (the policy's, after a bad loss)."""
+        decision = self.recovery.decision if self.recovery is not None else None
+        return decision.resume_before_step if decision is not None else None
+
+    @property
+    def live(self) -> bool:
+        return self.group is not None
+
+    def next(self, recovery: Transition) -> Attempt:
+        """The attempt that answers `recovery` (the move into RECOVERING that ended this one)."""
+        history = self.monitor.loss_history if self.monitor is not None else self.loss_history
+        return Attempt(self.number + 1, recovery=recovery, loss_history=history)
+
+    def watch(self, world_size: int, health: HealthSection, now: float) -> None:
+        """Start judging this attempt's heartbeats (its ranks were just started)."""
+        self.monitor = HealthMonitor(world_size, health, started_at=now, loss_history=self.loss_history)
+
+    def settle(self, incidents: list[Incident], now: float, patience_s: float) -> list[Incident] | None:
+        """The incidents to decide on now, or None to hold them for a later poll.
+
+        An exception on a healthy rank is usually the echo of a peer's death (its collective
+        failed): the cause gets up to `patience_s` (a heartbeat timeout) to show itself, so the
+        policy blames the dead rank's node, not the messenger. Anything else is decided at once,
+        and so is everything once every rank has told its story."""
+        incidents, self.held = self.held + incidents, []
+        if not incidents or any(i.kind != FaultKind.EXCEPTION for i in incidents):
+            return incidents
+        self.settle_until = self.settle_until or now + patience_s
+        if now >= self.settle_until or not self.group.running():
+            return incidents
+        self.held = incidents
+        return None
+
+    def first_step_done(self, live: list[Heartbeat], world_size: int) -> bool:
+        """Every rank has trained a step past where this attempt resumed."""
+        return len(live) == world_size and all(
+            b.phase not in STARTING_PHASES and b.step > b.resumed_from for b in live)

@@ -1,0 +1,201 @@
+"""What hears the controller: the event log, metrics, service discovery, the progress record.
+
+The controller decides and moves; it does not write metrics or discovery files itself. Every
+move, event, heartbeat snapshot and attempt end goes to its `Listeners`, and each listener
+does its own part (as Ray Train v2's controller callbacks do). A new consumer (a webhook, an
+audit log) is one more listener, not one more line in every state handler.
+
+    listeners = standard_listeners(cfg, record, print, metrics, targets, progress, warm_spares)
+    listeners.moved(move, attempt)   # every listener hears it
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis
+
+from longrun.config import JobConfig
+from longrun.controller.attempt import Attempt
+from longrun.controller.job_state import JobRecordStore
+from longrun.controller.state import JobState, Transition
+from longrun.health.heartbeat import Heartbeat
+from longrun.health.policy import Incident
+from longrun.observability.controller_metrics import ControllerMetrics
+from longrun.observability.discovery import write_file_sd
+
+log = logging.getLogger(__name__)
+
+
+class Listener:
+    """Every hook does nothing unless a listener overrides it."""
+
+    def moved(self, move: Transition, attempt: Attempt) -> None: ...
+    def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None: ...
+    def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None: ...
+    def diagnosed(self, reports: list[dict[str, Any]]) -> None: ...
+    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None: ...
+    def trained(self, attempt: Attempt) -> None: ...
+    def ended(self, attempt: Attempt) -> None: ...
+
+
+class Listeners(Listener):
+    """Hands every hook to each listener in turn."""
+
+    def __init__(self, listeners: Iterable[Listener]):
+        self.listeners = list(listeners)
+
+    def moved(self, *args: Any) -> None:
+        self._all("moved", args)
+
+    def event(self, *args: Any) -> None:
+        self._all("event", args)
+
+    def declared(self, *args: Any) -> None:
+        self._all("declared", args)
+
+    def diagnosed(self, *args: Any) -> None:
+        self._all("diagnosed", args)
+
+    def heartbeats(self, *args: Any) -> None:
+        self._all("heartbeats", args)
+
+    def trained(self, *args: Any) -> None:
+        self._all("trained", args)
+
+    def ended(self, *args: Any) -> None:
+        self._all("ended", args)
+
+    def _all(self, hook: str, args: tuple[Any, ...]) -> None:
+        for listener in self.listeners:
+            getattr(listener, hook)(*args)
+
+
+class EventLog(Listener):
+    """The job's event log in Redis (what `longrun status` shows) and the operator's lines."""
+
+    def __init__(self, record: JobRecordStore, on_event: Callable[[str], None]):
+        self.record, self.on_event = record, on_event
+
+    def moved(self, move: Transition, attempt: Attempt) -> None:
+        self.record.record_transition(move, attempt.number)
+        self.on_event(f"state {move.target}: {move.reason}")
+
+    def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
+        self.record.event(kind, attempt.number, message, **extra)
+        self.on_event(f"{kind}: {message}")
+
+    def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
+        for i in incidents:
+            self.event("fault", attempt, i.detail, {"fault": i.kind, "rank": i.rank, "node": i.node,
+                                                    "step": i.step})
+
+
+class MetricsListener(Listener):
+    """The controller's Prometheus series (see observability/controller_metrics.py)."""
+
+    def __init__(self, metrics: ControllerMetrics, record: JobRecordStore, steps: int):
+        self.metrics, self.record, self.steps = metrics, record, steps
+
+    def moved(self, move: Transition, attempt: Attempt) -> None:
+        self.metrics.set_state(str(move.target))
+        self.metrics.set_attempt(attempt.number)
+        if move.target is JobState.RECOVERING:
+            self.metrics.restart(move.decision.cause.kind if move.decision.cause else "other")
+        if move.target in (JobState.PLACING, JobState.RECOVERING):
+            self.metrics.set_evicted(len(self.record.evicted()))
+        if move.target is JobState.SUCCEEDED:
+            self.metrics.set_step(attempt.summaries[0]["step"], self.steps)
+
+    def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
+        if kind == "recovered":
+            self.metrics.recovery(extra["seconds"])
+
+    def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
+        for i in incidents:
+            self.metrics.fault(i.kind)
+        seen = [attempt.last_beat_at[i.rank] for i in incidents if i.rank in attempt.last_beat_at]
+        if seen:  # from the last sign of life of a rank at fault: an upper bound on detection
+            self.metrics.detection(max(0.0, wall - min(seen)))
+
+    def diagnosed(self, reports: list[dict[str, Any]]) -> None:
+        for report in reports:
+            for name, ok, seconds, _detail in report["checks"]:
+                self.metrics.diagnostics(report["node"], name, ok, seconds)
+
+    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+        for b in live:
+            node = attempt.group.node_of(b.rank)
+            self.metrics.heartbeat_age(b.rank, node, max(0.0, wall - b.sent_at), sent_at=b.sent_at)
+        self.metrics.set_step(min(b.step for b in live), self.steps)
+
+    def ended(self, attempt: Attempt) -> None:
+        self.metrics.forget_ranks()  # its ranks are gone; the next attempt may place them elsewhere
+
+
+class Discovery(Listener):
+    """Prometheus scrape targets follow the attempts: `targets` (the controller's: the live
+    attempt's worker endpoints and its own) is served at /sd, and written to
+    observability.file_sd_path, when set, whenever it changed."""
+
+    def __init__(self, cfg: JobConfig, targets: Callable[[], list[dict]]):
+        self.path, self.targets = cfg.observability.file_sd_path, targets
+        self._written: list[dict] | None = None
+
+    def moved(self, move: Transition, attempt: Attempt) -> None:
+        self._refresh()  # the controller's own target first; then a new attempt or a stopped one
+
+    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+        self._refresh()  # workers publish their endpoints in their heartbeats
+
+    def ended(self, attempt: Attempt) -> None:
+        self._refresh()  # the attempt's workers leave the targets
+
+    def _refresh(self) -> None:
+        if not self.path:
+            return
+        groups = self.targets()
+        if groups == self._written:
+            return
+        try:
+            write_file_sd(self.path, groups)
+            self._written = groups
+        except OSError as exc:  # discovery is for operators; it must not stop the job
+            log.warning("file_sd %s not written: %s", self.path, exc)
+
+
+class ProgressRecord(Listener):
+    """Step, loss and phase in the job record at every poll: best effort, refreshed next poll."""
+
+    def __init__(self, record: JobRecordStore):
+        self.record = record  # on the quick client: a miss must not stall the watch
+
+    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+        first = min(live, key=lambda b: b.rank)
+        try:
+            self.record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("job record progress not written: %s", exc)
+
+
+class SpareWarmer(Listener):
+    """Once an attempt trains, the launcher warms the next one's spares: not earlier, so their
+    imports do not slow this attempt's start."""
+
+    def __init__(self, warm: Callable[[], None]):
+        self.warm = warm
+
+    def trained(self, attempt: Attempt) -> None:
+        self.warm()
+
+
+def standard_listeners(cfg: JobConfig, record: JobRecordStore, on_event: Callable[[str], None],
+                       metrics: ControllerMetrics, targets: Callable[[], list[dict]],
+                       progress: JobRecordStore, warm_spares: Callable[[], None]) -> Listeners:
+    """What every controller has listening: the event log (and `on_event` lines), metrics,
+    scrape targets (`targets`), progress in the job record (`progress`: on a client that fails
+    fast) and the launcher's spares (`warm_spares`)."""
+    return Listeners([EventLog(record, on_event), MetricsListener(metrics, record, cfg.training.steps),
+                      Discovery(cfg, targets), ProgressRecord(progress), SpareWarmer(warm_spares)])

@@ -1,0 +1,99 @@
+"""Watching a RUNNING attempt, one heartbeat interval at a time.
+
+Each poll asks the worker group which ranks ended (and how), reads every rank's heartbeat
+with one MGET, and lets the attempt's monitor judge them (dead, hung, slow, NaN, spikes). What
+it learns goes to the attempt (summaries, last signs of life, metrics endpoints) and to the
+listeners (heartbeats, the first trained step, a Redis outage ridden out); what needs a
+decision comes back as incidents.
+
+Heartbeat reads go through a client that fails fast: a Redis that is away pauses the judging
+(the monitor's clock stands still) instead of stalling the watch or blaming the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+
+from longrun.config import JobConfig
+from longrun.controller.attempt import Attempt
+from longrun.controller.listeners import Listener
+from longrun.controller.outcomes import RankEnded
+from longrun.health.heartbeat import Heartbeat, read_heartbeats
+from longrun.health.policy import Incident
+
+log = logging.getLogger(__name__)
+
+
+class Watcher:
+    def __init__(self, cfg: JobConfig, client: redis.Redis, listeners: Listener, *, poll_s: float,
+                 clock: Callable[[], float], wall: Callable[[], float]):
+        self.cfg, self.client, self.listeners = cfg, client, listeners
+        self.poll_s, self.clock, self.wall = poll_s, clock, wall
+        self._store_lost_at: float | None = None  # wall time the heartbeat reads started failing
+
+    def poll(self, attempt: Attempt) -> list[Incident] | None:
+        """One heartbeat interval of watching. [] when every rank finished, the incidents when
+        something needs a decision, None to keep watching."""
+        group, monitor = attempt.group, attempt.monitor
+        ended = group.poll(self.poll_s)
+        now, wall = self.clock(), self.wall()  # the monitor's clock; the policy's (persisted)
+        incidents = [self._ended(attempt, e, wall) for e in ended if not e.finished]
+        for e in ended:
+            if e.finished:
+                attempt.summaries[e.rank] = e.summary
+                monitor.finished(e.rank)
+        beats = self._read(attempt, now, wall)
+        if beats is not None:
+            incidents += [Incident(kind=str(f.kind), rank=f.rank,
+                                   node=group.node_of(f.rank) if f.rank is not None else None,
+                                   step=f.step, at=wall, detail=f.detail)
+                          for f in monitor.observe(beats, now)]
+            self._progress(attempt, [b for b in beats.values() if b is not None], wall)
+        decided = attempt.settle(incidents, now, self.cfg.health.heartbeat_timeout_s)
+        if decided is None or decided:
+            return decided
+        return None if group.running() else []
+
+    def _ended(self, attempt: Attempt, ended: RankEnded, wall: float) -> Incident:
+        return Incident(kind=ended.kind, rank=ended.rank, node=attempt.group.node_of(ended.rank),
+                        step=ended.step, at=wall, detail=ended.detail)
+
+    def _read(self, attempt: Attempt, now: float, wall: float) -> dict[int, Heartbeat | None] | None:
+        """Every rank's heartbeat, or None while Redis is unreachable (judging paused)."""
+        try:
+            beats = read_heartbeats(self.client, self.cfg.job.name, attempt.number,
+                                    range(self.cfg.world_size))
+        except (redis.RedisError, OSError) as exc:
+            attempt.monitor.store_unreachable(now)
+            if self._store_lost_at is None:
+                self._store_lost_at = wall
+                log.warning("Redis unreachable (%s); judging paused until it is back", exc)
+            return None
+        if self._store_lost_at is not None:
+            away, self._store_lost_at = wall - self._store_lost_at, None
+            self.listeners.event("store_outage", attempt, (
+                f"Redis was unreachable for about {away:.1f} s; heartbeat judging was paused and "
+                f"missing heartbeats get {self.cfg.health.store_outage_grace_s:g} s to return"),
+                {"seconds": round(away, 3)})
+        return beats
+
+    def _progress(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+        if not live:
+            return
+        for b in live:
+            attempt.last_beat_at[b.rank] = b.sent_at
+            if b.metrics_addr:
+                attempt.endpoints[b.rank] = (b.metrics_addr, attempt.group.node_of(b.rank))
+        self.listeners.heartbeats(attempt, live, wall)
+        if attempt.trained or not attempt.first_step_done(live, self.cfg.world_size):
+            return
+        attempt.trained = True
+        self.listeners.trained(attempt)
+        if attempt.recovery is not None:
+            took = self.wall() - attempt.recovery.at
+            self.listeners.event("recovered", attempt, (
+                f"attempt {attempt.number} completed its first step {took:.1f} s after the fault "
+                "was declared"), {"seconds": round(took, 3)})

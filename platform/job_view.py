@@ -1,0 +1,168 @@
+"""The controller's view of a submitted job, for `longrun status`: its record in Redis when this
+machine can read it, its log otherwise.
+
+The record (controller/job_state.py) is the controller's own account: state, attempt, step,
+evicted nodes, events. It lives in the job's Redis, which this machine can find only when the
+job's config named one (`cluster.redis_url`; without it the controller embeds a Redis on the
+cluster's loopback). `longrun submit` records that URL in the job's metadata with its
+password masked, since anyone who reaches the Jobs API can read metadata; `status` puts the
+password back from $LONGRUN_REDIS_PASSWORD, or takes a whole URL from --redis-url
+($LONGRUN_REDIS_URL). When there is no URL, no password, no reachable server, or a record left
+by another run of the same job name, the view comes from the controller's log (its state
+changes, steps and events), and `source` says which was used and why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import redis
+
+from longrun.controller.job_state import job_status
+from longrun.services.redis_client import quick_client
+
+URL_ENV = "LONGRUN_REDIS_URL"
+PASSWORD_ENV = "LONGRUN_REDIS_PASSWORD"
+MASK = "***"
+# The record's times and Ray's job times both come from the head node's clock; this covers
+# the gap between the controller's first write and Ray noting the job's start (and its end).
+CLOCK_SLACK_S = 5.0
+LAST_EVENTS = 5
+
+_STATE = re.compile(r"state (PENDING|PLACING|DIAGNOSING|RENDEZVOUS|RUNNING|RECOVERING|SUCCEEDED|"
+                    r"FAILED|STOPPED): (.*)")
+_STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
+_EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume): (.*)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class ControllerView:
+    """What the controller says about the job, and where that was read."""
+
+    state: str | None = None
+    reason: str = ""
+    attempt: int = 0
+    step: str | None = None
+    loss: float | None = None
+    evicted: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    source: str = "the controller's log"
+
+
+def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
+    view = ControllerView()
+    for raw in text.splitlines():
+        line = _ANSI.sub("", raw).strip()
+        if m := _STATE.search(line):
+            view.state, view.reason = m.group(1), m.group(2)
+            if m.group(1) == "RECOVERING":
+                view.attempt += 1
+            view.events.append(line)
+        elif m := _STEP.search(line):
+            view.step, view.loss = f"{m.group(1)}/{m.group(2)}", float(m.group(3))
+        elif m := _EVENT.match(line):
+            view.events.append(line)
+            if m.group(1) == "evicted":
+                view.evicted.append(m.group(2).split()[1])
+    view.events = view.events[-last_events:]
+    return view
+
+
+# -- the Redis URL, without its secret ------------------------------------------------------------
+
+
+def mask(url: str) -> str:
+    """`url` with its password (user-info or ?password=) replaced by ***, safe to show and store."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}:{MASK}@{host}"
+    query = urlencode([(k, MASK if k == "password" else v) for k, v in parse_qsl(parts.query)],
+                      safe="*/")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def unmask(url: str, password: str) -> str:
+    """A masked URL with its password put back."""
+    return url.replace(f":{MASK}@", f":{quote(password, safe='')}@", 1).replace(
+        f"password={MASK}", f"password={quote(password, safe='')}")
+
+
+def scrub(text: str, url: str) -> str:
+    """`text` (an error message) with any password of `url` masked."""
+    parts = urlsplit(url)
+    secrets = [parts.password] + [v for k, v in parse_qsl(parts.query) if k == "password"]
+    for secret in filter(None, secrets):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def record_url(recorded: str | None, override: str | None,
+               env: Mapping[str, str]) -> tuple[str | None, str]:
+    """(the URL to read the job record from, or None and why not)."""
+    if override:
+        return override, ""
+    if recorded is None:
+        return None, "the job was submitted without a record of its Redis"
+    if not recorded:
+        return None, ("the job's Redis is embedded in its controller on the cluster; name one in "
+                      "cluster.redis_url for status to read the job record")
+    if MASK not in recorded:
+        return recorded, ""
+    password = env.get(PASSWORD_ENV)
+    if not password:
+        return None, f"the job's Redis {recorded} needs its password: set {PASSWORD_ENV} or pass --redis-url"
+    return unmask(recorded, password), ""
+
+
+# -- the record ----------------------------------------------------------------------------------
+
+
+def read_record(url: str, job: str, *, started_ms: int | None, ended_ms: int | None,
+                last_events: int = LAST_EVENTS) -> tuple[ControllerView | None, str]:
+    """(the view from the job record of this submission, or None and why not)."""
+    shown = mask(url)
+    client = quick_client(url)
+    try:
+        status = job_status(client, job, events=last_events)
+    except (redis.RedisError, OSError) as exc:
+        return None, f"cannot read the job record from {shown}: {scrub(str(exc), url)}"
+    finally:
+        client.close()
+    if status["state"] is None:
+        return None, f"{shown} holds no record of job {job!r} yet"
+    updated = float(status["fields"].get("updated_at", 0))
+    if started_ms and updated < started_ms / 1000 - CLOCK_SLACK_S:
+        return None, f"the record of job {job!r} in {shown} is older than this submission"
+    if ended_ms and updated > ended_ms / 1000 + CLOCK_SLACK_S:
+        return None, (f"the record of job {job!r} in {shown} was written after this submission "
+                      "ended, by a later run of the same job")
+    return view_of_record(status, f"the job record in Redis at {shown}"), ""
+
+
+def view_of_record(status: dict[str, Any], source: str) -> ControllerView:
+    """A ControllerView of what controller.job_status returns."""
+    fields = status["fields"]
+    steps = fields.get("steps")
+    loss = json.loads(fields["loss"]) if fields.get("loss") else None
+    return ControllerView(
+        state=status["state"], reason=fields.get("reason", ""), attempt=status["attempt"],
+        step=f"{status['step']}/{steps}" if steps else str(status["step"]),
+        loss=float(loss) if loss is not None else None, evicted=sorted(status["evicted"]),
+        events=[event_line(e) for e in status["events"]], source=source)
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """An event of the record as the controller logged it, after its time."""
+    at = time.strftime("%H:%M:%S", time.localtime(event.get("at", 0)))
+    if event.get("type") == "transition":
+        return f"{at} state {event.get('to')}: {event.get('reason', '')}"
+    return f"{at} {event.get('type')}: {event.get('reason', '')}"

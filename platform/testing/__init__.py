@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks of longrun (like `torch.testing`): spawned worlds of ranks."""
