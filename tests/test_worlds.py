@@ -61,8 +61,11 @@ def test_a_member_killed_in_the_middle_of_a_send_blocks_nobody(tmp_path):
     release = tmp_path / "release"
     with World(w.report_when_released, 3, tmp_path, args=(str(release),)) as world:
         world.start([0, 2])
+        up = world.collect(2, timeout=TIMEOUT)
+        # Only once the others are up: the flooder's first message is its "up" (one pipe per
+        # rank keeps its order), and no flood can arrive ahead of another rank's "up".
         world.start([1], target=w.flood, args=())
-        up = world.collect(3, timeout=TIMEOUT)
+        up += world.collect(1, timeout=TIMEOUT)
         assert sorted(r[:2] for r in up) == [(0, "up"), (1, "up"), (2, "up")]
         assert world.kill(1) == -signal.SIGKILL  # on purpose: not an error
         release.touch()  # the survivors report only now, after the kill
