@@ -4,6 +4,8 @@
     dims.world_size          # dp x fsdp x cp x tp x pp ranks
     dims.span                # dp x fsdp x cp: the ranks that hold replicas or shards of one model
                              # and reduce gradients together (under CP: one global batch)
+    dims.replicas            # dp x cp: the ranks holding the same shard of the weights
+    dims.shards              # fsdp x tp: the pieces one copy of the weights is cut into
     dims.cp_sizes            # the CP group sizes a run uses: (cp,) static; dynamic: every power
                              # of two dividing the span
     dims.widest_cp           # the largest of them
@@ -62,7 +64,7 @@ def usp_ulysses_size(cp: int, n_heads: int) -> int:
 @dataclass(frozen=True)
 class ParallelDims:
     dp: int = 1  # data-parallel replicas (outermost)
-    fsdp: int = 1  # ranks sharding one replica's weights (FSDP; 1 until it lands)
+    fsdp: int = 1  # ranks sharding one replica's weights, gradients and optimizer state (FSDP2)
     cp: int = 1  # context parallelism: the static group size, dynamic CP's per-replica share
     tp: int = 1  # tensor parallelism (inside a node)
     pp: int = 1  # pipeline stages
@@ -84,6 +86,39 @@ class ParallelDims:
     @property
     def span(self) -> int:
         return self.dp * self.fsdp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard of the weights (data-parallel replicas and CP ranks):
+        a checkpoint is written once for them and read once for them."""
+        return self.dp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """The pieces one copy of the weights is cut into (FSDP shards x TP shards)."""
+        return self.fsdp * self.tp
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are DTensors (FSDP2 and/or tensor parallel) rather than whole
+        tensors on every rank (plain data parallelism)."""
+        return self.shards > 1
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """{"dp", "fsdp", "cp", "tp", "pp"}: what a checkpoint records of the layout it was
+        written at (the pieces of its weights depend on fsdp and tp; its data positions on dp,
+        fsdp and cp)."""
+        return {name: getattr(self, name) for name in _SIZES}
+
+    @property
+    def layout_name(self) -> str:
+        """A short, stable name of the layout for logs and metric labels: the degrees above 1
+        (e.g. "fsdp2.tp2", "dp2.cp2", "single")."""
+        parts = [f"{n}{getattr(self, n)}" for n in ("dp", "fsdp", "cp", "tp", "pp") if getattr(self, n) > 1]
+        if self.dynamic_cp:
+            parts.append("dcp")
+        return ".".join(parts) or "single"
 
     @property
     def cp_enabled(self) -> bool:
@@ -130,5 +165,5 @@ def parallel_dims(cfg: JobConfig) -> ParallelDims:
     """The job's dims, from its `parallelism` section and the heads each TP rank holds (what
     Ulysses splits; a head count tp does not divide is reported by the config checks)."""
     par, heads = cfg.parallelism, cfg.model.n_heads
-    return ParallelDims(dp=par.dp, cp=par.cp, tp=par.tp, pp=par.pp, dynamic_cp=par.dynamic_cp,
+    return ParallelDims(dp=par.dp, fsdp=par.fsdp, cp=par.cp, tp=par.tp, pp=par.pp, dynamic_cp=par.dynamic_cp,
                         cp_impl=par.cp_impl, heads=heads // par.tp if heads % par.tp == 0 else heads)

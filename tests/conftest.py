@@ -29,3 +29,4 @@ def redis_client(redis_server):
     client.flushdb()
     yield client
     client.close()
+

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from longrun.services.process import pids_mentioning
@@ -96,12 +97,36 @@ def test_run_refuses_a_bad_config_before_starting_anything(repo_root, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_run_explains_what_the_controller_does_not_run_yet(repo_root, tmp_path):
-    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "cluster.workers_per_node=2",
-                  "--set", "parallelism.tp=2", "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
-    assert out.returncode == 1
-    assert "no tensor or pipeline parallelism yet" in out.stderr
+# Valid configs this longrun cannot run: each refused by `run` before any service starts, and
+# by `config validate` with the same sentence (validate never passes what run refuses).
+UNRUNNABLE = [
+    (("cluster.workers_per_node=2", "parallelism.pp=2"), "no pipeline parallelism yet"),
+    (("parallelism.dynamic_cp=true",), "nothing to split"),
+    (("cluster.device_memory_gb=0.001",), "exceeds 90% of cluster.device_memory_gb (0.001 GB)"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "reason"), UNRUNNABLE, ids=["pp", "dynamic-cp-alone", "memory"])
+def test_run_and_validate_refuse_what_the_controller_cannot_run(repo_root, tmp_path, overrides, reason):
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    out = longrun("run", repo_root / "examples" / "tiny.yaml", *sets, "--set", f"job.output_dir={tmp_path}",
+                  cwd=tmp_path)
+    assert out.returncode == 1 and reason in out.stderr, out.stderr
     assert "starting an embedded" not in out.stderr  # refused before starting any service
-    out = longrun("run", repo_root / "examples" / "tiny.yaml", "--set", "parallelism.dynamic_cp=true",
-                  "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
-    assert out.returncode == 1 and "nothing to split" in out.stderr, out.stderr
+    checked = longrun("config", "validate", repo_root / "examples" / "tiny.yaml", *sets, cwd=tmp_path)
+    assert checked.returncode == 2 and reason in checked.stderr, checked.stderr
+
+
+def test_config_plan_prints_the_memory_per_rank_and_names_the_knob(repo_root, tmp_path):
+    example = repo_root / "examples" / "llama-8b-64gpu.yaml"
+    out = longrun("config", "plan", example, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for part in ("parameters", "gradients", "optimizer state", "activations (16384 tokens)", "total"):
+        assert part in out.stdout
+    assert "fits" in out.stdout
+    # Too little memory for it: refused, with the change that would make it fit.
+    out = longrun("config", "plan", example, "--set", "cluster.device_memory_gb=30", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "set training.activation_checkpointing: " in out.stderr, out.stderr
+
+

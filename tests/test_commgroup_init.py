@@ -24,8 +24,9 @@ def test_world_of_four_every_group_proves_its_membership(redis_server, redis_cli
         out = sorted(world.collect(4))
         world.join()
     assert [r[1] for r in out] == ["ok"] * 4, out
-    # tp/pp are size 1 here, so every kind and dynamic size was formed and checked.
-    assert out[0][2] == sorted(["tp", "cp", "pp", "dp", "dp_cp", "dcp1", "dcp2", "dcp4"])
+    # tp/pp are size 1 here, so every kind and dynamic size was formed and checked (replicate:
+    # the ranks holding the same weights, here the span itself; no shard group, nothing sharded).
+    assert out[0][2] == sorted(["tp", "cp", "pp", "dp", "replicate", "dp_cp", "dcp1", "dcp2", "dcp4"])
 
 
 def test_a_late_rank_is_waited_for(redis_server, redis_client):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from clusters import simulated_cluster
 
 from longrun.config import config_from_dict
 from longrun.controller.placement import (
@@ -44,16 +45,8 @@ def test_choose_nodes_explains_an_impossible_job():
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    workers = [c.add_node(num_cpus=2) for _ in range(3)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, workers
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(3, 2) as (c, workers):
+        yield c, workers
 
 
 def test_placement_on_a_three_node_cluster(cluster):

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from clusters import simulated_cluster
 
 from longrun.config import config_from_dict
 from longrun.controller.controller import Controller, JobFailed, job_status
@@ -41,18 +42,8 @@ def final_weights(cfg) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    os.environ["OMP_NUM_THREADS"] = "1"  # 4 workers share 2 cores; raylets pass it on
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(3):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(3, 2) as (c, _):
+        yield c
 
 
 @pytest.fixture(scope="module")

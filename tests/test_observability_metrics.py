@@ -30,6 +30,7 @@ WORKER_FAMILIES = {
     "longrun_train_data_wait_seconds": ("histogram", set()),
     "longrun_train_mfu_ratio": ("gauge", set()),
     "longrun_train_memory_bytes": ("gauge", set()),
+    "longrun_train_state_bytes": ("gauge", {"kind", "layout"}),
     "longrun_train_phase_duration_seconds": ("histogram", {"phase"}),
     "longrun_checkpoint_blocking_seconds": ("histogram", set()),
     "longrun_checkpoint_write_seconds": ("histogram", set()),
@@ -76,7 +77,17 @@ def busy_worker() -> WorkerMetrics:
     w.checkpoint_committed(7, 1_700_000_000.0)
     w.observe_cp_plan([1, 2, 8, 8], predicted_s=1.5, measured_s=1.7)
     w.observe_group_init("world_init", 0.3)
+    w.observe_state("fsdp2.tp2", {"parameters": 400, "gradients": 400, "optimizer": 800})
     return w
+
+
+def test_state_bytes_are_labelled_by_kind_and_layout():
+    w = busy_worker()
+    w.observe_state("fsdp2.tp2", {"activations_maybe": 5})  # not a state kind: "other"
+    samples = families(w.registry)["longrun_train_state_bytes"].samples
+    held = {(dict(s.labels)["kind"], dict(s.labels)["layout"]): s.value for s in samples}
+    assert held == {("parameters", "fsdp2.tp2"): 400, ("gradients", "fsdp2.tp2"): 400,
+                    ("optimizer", "fsdp2.tp2"): 800, ("other", "fsdp2.tp2"): 5}
 
 
 def test_worker_series_have_the_expected_names_types_and_labels():

@@ -32,7 +32,8 @@ def layouts(draw):
 def test_every_rank_in_exactly_one_group_of_each_kind(layout):
     world = set(range(layout.world_size))
     d = layout.dims
-    sizes = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "fsdp": d.fsdp, "dp": d.dp, "dp_cp": d.dp * d.fsdp * d.cp}
+    sizes = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "fsdp": d.fsdp, "dp": d.dp, "replicate": d.dp * d.cp,
+             "dp_cp": d.dp * d.fsdp * d.cp}
     for kind in GROUP_KINDS:
         groups = layout.groups[kind]
         members = [r for g in groups for r in g]
@@ -70,6 +71,44 @@ def test_groups_vary_only_their_own_dimension(layout):
 
 @settings(max_examples=100, deadline=None)
 @given(layouts())
+def test_replicate_groups_hold_one_shard_of_each_replica(layout):
+    """The HSDP mesh's outer dimension: the ranks with the same FSDP shard (and tp, pp)
+    position across replicas and CP ranks; with the shard group they tile the span."""
+    for group in layout.groups["replicate"]:
+        coords = [layout.coords(r) for r in group]
+        assert len({(c.fsdp, c.tp, c.pp) for c in coords}) == 1
+        assert len({(c.dp, c.cp) for c in coords}) == len(group)
+    for rank in range(layout.world_size):
+        span = set(layout.group_of("dp_cp", rank))
+        tiles = {r for s in layout.group_of("fsdp", rank) for r in layout.group_of("replicate", s)}
+        assert tiles == span
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts())
+def test_the_mesh_is_the_groups_and_replicas_share_a_shard_index(layout):
+    """Every line of the [replicate][shard][tp] mesh along one axis is a group of that kind, so
+    a device mesh can be built on the groups already formed; ranks of one replicate group
+    hold the same piece of the weights, and the pieces of one span's replica are all different."""
+    if layout.dims.pp > 1:
+        return
+    mesh = layout.mesh()
+    flat = [r for plane in mesh for row in plane for r in row]
+    assert sorted(flat) == list(range(layout.world_size))
+    d = layout.dims
+    for plane in mesh:
+        for s, row in enumerate(plane):
+            assert row == layout.group_of("tp", row[0])
+            for t, rank in enumerate(row):
+                assert [p[s][t] for p in mesh] == layout.group_of("replicate", rank)
+                assert [plane[k][t] for k in range(d.fsdp)] == layout.group_of("fsdp", rank)
+                assert layout.shard_index(rank) == s * d.tp + t
+    for group in layout.groups["replicate"]:
+        assert len({layout.shard_index(r) for r in group}) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts())
 def test_dynamic_cp_groups_partition_each_dp_cp_group(layout):
     span = layout.dims.span
     assert 1 in layout.dynamic_cp_groups
@@ -94,7 +133,9 @@ def test_dynamic_cp_groups_partition_each_dp_cp_group(layout):
 def test_every_named_group_partitions_the_world_in_one_canonical_order(layout):
     names = [name for name, _ in layout.named_groups]
     assert names[:2] == ["tp", "cp"] and len(set(names)) == len(names)
-    assert ("fsdp" in names) == (layout.dims.fsdp > 1)  # no communicator of one for FSDP 1
+    # No shard communicator where nothing is sharded; under TP the mesh needs one (of one rank).
+    assert ("fsdp" in names) == (layout.dims.fsdp > 1 or layout.dims.tp > 1)
+    assert "replicate" in names
     for name, groups in layout.named_groups:
         assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), name
     for rank in range(layout.world_size):

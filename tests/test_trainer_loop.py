@@ -168,7 +168,7 @@ def test_progress_line_format(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2  # steps 2 and 4
     pattern = (r"step 4/4  loss \d+\.\d{4}  grad_norm \d+\.\d\d  lr \d\.\de-\d\d  "
-               r"tok/s [\d,]+  mem \d+\.\d\dGiB  elapsed 0:00:\d\d  eta 0:00:00")
+               r"tok/s [\d,]+  mem \d+\.\d\dGiB  elapsed 0:00:\d\d  eta 0:00:00  layout single")
     assert re.fullmatch(pattern, lines[-1]), lines[-1]
 
 
@@ -234,14 +234,14 @@ def test_skipped_steps_consume_their_data_without_training():
     cfg = _cfg(training={"steps": 6, "grad_accum": 2})
     with Trainer(cfg, progress=False) as plain:
         seen_plain = []
-        plain.train(on_step=lambda m: seen_plain.append((m.step, plain._data_state, m.lr)))
+        plain.train(on_step=lambda m: seen_plain.append((m.step, plain.feed.state, m.lr)))
     with Trainer(cfg, progress=False) as skipping:
         skipping.skip_steps = frozenset({1, 4})
         seen_skip = []
         before = _weights(skipping)
         skipping.train(steps=1)
         assert skipping.step == 1 and all(torch.equal(before[k], v) for k, v in _weights(skipping).items())
-        skipping.train(on_step=lambda m: seen_skip.append((m.step, skipping._data_state, m.lr)))
+        skipping.train(on_step=lambda m: seen_skip.append((m.step, skipping.feed.state, m.lr)))
     assert [s for s, _, _ in seen_skip] == [2, 3, 5, 6]
     # The same data positions and learning rates as the plain run at those steps.
     assert [(d, lr) for s, d, lr in seen_skip] == [(d, lr) for s, d, lr in seen_plain if s in (2, 3, 5, 6)]
@@ -273,3 +273,20 @@ def test_a_step_reports_its_phases_in_order():
         phases = one_step_phases(planned)
         assert phases[0] == "plan" and "data" not in phases
         assert phases[-2:] == ["sync", "optimizer"]
+
+
+# --- activation checkpointing ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_without_changing_the_training(mode):
+    """Recomputing blocks in backward gives the same weights, bit for bit, and the parameter
+    names stay those of the plain model (checkpoints do not depend on it)."""
+    with Trainer(_cfg({"steps": 3}), progress=False) as plain:
+        plain.train()
+        want = _weights(plain)
+    with Trainer(_cfg({"steps": 3, "activation_checkpointing": mode}), progress=False) as recomputed:
+        recomputed.train()
+        got = _weights(recomputed)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

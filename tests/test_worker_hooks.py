@@ -47,6 +47,10 @@ class BlockingSave:
 
 class NoTrainer:
     last_plan = None
+    layout = "single"
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"parameters": 1024}
 
 
 def metrics_of(step: int) -> StepMetrics:
@@ -102,5 +106,22 @@ def test_a_blocking_save_longer_than_the_learned_timeout_is_not_a_hang(redis_cli
         assert not stepping.is_alive()
     finally:
         save.release.set()
+        beat.stop()
+        metrics.close()
+
+
+def test_the_first_step_publishes_the_state_each_rank_holds_under_its_layout(redis_client):
+    beat = HeartbeatPublisher(redis_client, "hooks-state", 0, 0, HEALTH.heartbeat_interval_s,
+                              HEALTH.heartbeat_timeout_s).start()
+    metrics = WorkerMetrics("hooks-state", 0)
+    hooks = StepHooks(beat, metrics)
+    hooks.trainer = NoTrainer()
+    try:
+        hooks.after_step(metrics_of(1))
+        value = metrics.registry.get_sample_value(
+            "longrun_train_state_bytes", {"job": "hooks-state", "attempt": "0", "rank": "0", "node": "",
+                                          "kind": "parameters", "layout": "single"})
+        assert value == 1024
+    finally:
         beat.stop()
         metrics.close()

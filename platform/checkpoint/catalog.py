@@ -27,6 +27,7 @@ from longrun.checkpoint.layout import (
 )
 from longrun.checkpoint.manifest import Manifest, ManifestError, model_shard_name, stream_sha256
 from longrun.checkpoint.restore import load_shard, read_manifest
+from longrun.checkpoint.sharding import assemble
 
 # The two names of one matrix when model.tie_embeddings is on (trainer/model.py).
 TIED_KEYS = ("tok_embeddings.weight", "output.weight")
@@ -205,13 +206,22 @@ def verify_shards(fs: fsspec.AbstractFileSystem, root: str, step: int,
 
 def load_model_weights(fs: fsspec.AbstractFileSystem, root: str, step: int,
                        manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The model state_dict of a committed step, its shard's checksum verified on the way."""
-    name = model_shard_name(0)
-    shard = load_shard(fs, root, step, name, manifest.files.get(name))
-    weights = shard.get("model") if isinstance(shard, dict) else None
-    if not isinstance(weights, dict):
-        raise ManifestError(f"{root}/{step_dir_name(step)}/{name} holds no model state_dict")
-    return weights
+    """The model state_dict of a committed step, every file's checksum verified on the way.
+    Sharded checkpoints (FSDP, tensor parallel: one file per piece) are put back together."""
+    names = sorted(n for n in manifest.files if n.startswith("model-"))
+    pieces = []
+    for name in names or [model_shard_name(0)]:
+        shard = load_shard(fs, root, step, name, manifest.files.get(name))
+        weights = shard.get("model") if isinstance(shard, dict) else None
+        if not isinstance(weights, dict):
+            raise ManifestError(f"{root}/{step_dir_name(step)}/{name} holds no model state_dict")
+        pieces.append((weights, shard.get("sharding") or {}))
+    if len(pieces) == 1 and not pieces[0][1]:
+        return pieces[0][0]
+    try:
+        return assemble(pieces)
+    except ValueError as exc:
+        raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
 
 
 def summarize_weights(weights: dict[str, Any], model: dict[str, Any]) -> WeightsSummary:

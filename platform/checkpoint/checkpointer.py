@@ -1,6 +1,6 @@
 """The trainer's view of checkpointing: save every N steps without waiting, restore on start.
 
-    ckpt = Checkpointer(cfg, rank=r, world_size=w, dp_rank=d, dp_size=n, ledger=...)
+    ckpt = Checkpointer(cfg, rank=r, world_size=w, dp_rank=d, dp_size=n, shard=s, ledger=...)
     ckpt.restore(trainer, world_group, dp_group)   # resume if a checkpoint exists
     trainer.before_update.append(ckpt.before_update)
     trainer.train(on_step=ckpt.on_step(trainer))
@@ -10,6 +10,11 @@ A save costs the training loop only the copy of its state into host memory (`sna
 writing, checksumming and committing happen on the writer thread (`writer.py`). If the
 previous save is still being written when the next is due, `checkpoint.when_busy` decides:
 "wait" for it (default: no checkpoint is ever skipped) or "skip" this one.
+
+`dp_rank`/`dp_size` place this rank in its replica group (the ranks holding the same piece of
+the weights), `shard` names that piece: rank 0 of each replica group writes `model-<shard>.pt`
+and reads it back once for the group. Sharded state (DTensors) is stored as each rank's local
+pieces (`sharding.py`) and wrapped back onto the live DTensors on restore.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from longrun.checkpoint.commit import CommitLedger, LocalCommitLedger
 from longrun.checkpoint.manifest import Manifest, model_shard_name, rank_shard_name, split_state
 from longrun.checkpoint.restore import Restored, restore_latest
+from longrun.checkpoint.sharding import globalize, localize
 from longrun.checkpoint.snapshot import HostStager, Snapshot
 from longrun.checkpoint.writer import CheckpointWriter, SaveJob, SaveResult
 from longrun.config import JobConfig
@@ -33,7 +39,7 @@ log = logging.getLogger(__name__)
 
 class Checkpointer:
     def __init__(self, cfg: JobConfig, *, rank: int = 0, world_size: int = 1, dp_rank: int = 0,
-                 dp_size: int = 1, ledger: CommitLedger | None = None,
+                 dp_size: int = 1, shard: int = 0, ledger: CommitLedger | None = None,
                  on_saved: Callable[[SaveResult], None] | None = None):
         if ledger is None:
             if world_size > 1:
@@ -42,6 +48,7 @@ class Checkpointer:
             ledger = LocalCommitLedger()
         self.cfg = cfg
         self.rank, self.world_size, self.dp_rank, self.dp_size = rank, world_size, dp_rank, dp_size
+        self.shard = shard
         self.fs, self.root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
         self.root = self.root.rstrip("/")
         self.stager = HostStager()
@@ -67,16 +74,17 @@ class Checkpointer:
                 return None
             self.writer.wait_idle()
             self.writer.raise_if_failed()
-        replicated, per_rank = split_state(trainer.state_dict())
+        state, sharding = localize(trainer.state_dict())
+        replicated, per_rank = split_state(state)
         shards = {rank_shard_name(self.rank): per_rank}
-        if self.dp_rank == 0:  # replicated state: written once per data-parallel group
-            shards[model_shard_name(0)] = replicated
+        if self.dp_rank == 0:  # this piece of the weights: written once per replica group
+            shards[model_shard_name(self.shard)] = replicated | ({"sharding": sharding} if sharding else {})
         snapshot = self.stager.stage(shards)
         manifest = None
         if self.rank == 0:
             manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
                                 model=self.cfg.model.model_dump(mode="json"),
-                                config_fingerprint=self.cfg.fingerprint())
+                                config_fingerprint=self.cfg.fingerprint(), layout=self.cfg.dims.degrees)
         self.writer.submit(SaveJob(trainer.step, snapshot, manifest))
         self._pending = snapshot
         if not self.cfg.checkpoint.async_save:
@@ -124,8 +132,11 @@ class Checkpointer:
         restored = restore_latest(
             self.fs, self.root, model=self.cfg.model.model_dump(mode="json"), rank=self.rank,
             world_size=self.world_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            shard=self.shard, layout=self.cfg.dims.degrees,
             world_group=world_group, dp_group=dp_group, before_step=before_step)
         if restored is not None:
-            trainer.load_state_dict(restored.state)
+            restored.state.pop("sharding", None)
+            # The live state is the template: its DTensors say where each piece goes.
+            trainer.load_state_dict(globalize(restored.state, trainer.state_dict()))
             log.info("resumed from step %d of %s", restored.step, self.root)
         return restored

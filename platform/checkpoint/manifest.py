@@ -1,9 +1,11 @@
 """What a committed checkpoint holds: its shard files, their checksums, and what they fit.
 
-A checkpoint is split by what is replicated. Under data parallelism every rank holds the same
-model, optimizer and LR schedule, so one rank per data-parallel group writes them once
-(`model-00000.pt`, one file per model-parallel shard) and recovery reads them once and
-broadcasts; every rank writes its own small `rank-NNNNN.pt` (sampler position, RNG streams).
+A checkpoint is split by what is replicated. The ranks of a replica group (data-parallel
+replicas and CP ranks) hold the same piece of the model, optimizer and LR schedule, so one rank
+per group writes it once (`model-NNNNN.pt`: one file per piece, `model-00000.pt` alone where
+every rank holds whole weights; under FSDP and tensor parallelism one per shard, holding only
+that shard and where it sits in the whole) and recovery reads it once and broadcasts; every
+rank writes its own small `rank-NNNNN.pt` (sampler position, RNG streams).
 
 The manifest is JSON, written last: the shard list with SHA-256 and sizes, the step, the
 config fingerprint, and the model and parallel layout the shards fit, so a mismatched restore
@@ -38,6 +40,13 @@ def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return ({k: state[k] for k in REPLICATED_KEYS}, {k: state[k] for k in PER_RANK_KEYS})
 
 
+_PIECES = ("fsdp", "tp", "pp")  # the degrees that cut the weights into pieces
+
+
+def _shown(layout: dict[str, int]) -> str:
+    return " x ".join(f"{k} {layout.get(k, 1)}" for k in ("dp", "fsdp", "cp", "tp", "pp"))
+
+
 class ManifestError(ValueError):
     """A manifest that is missing, truncated or not one of ours."""
 
@@ -58,6 +67,9 @@ class Manifest:
     files: dict[str, ShardInfo] = field(default_factory=dict)
     created_unix: float = 0.0
     format: int = FORMAT_VERSION
+    # The parallel degrees it was written at ({"dp", "fsdp", "cp", "tp", "pp"}); empty in
+    # checkpoints from before sharded training, which were all written with whole weights.
+    layout: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -76,13 +88,18 @@ class Manifest:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ManifestError(f"{where} is not a valid checkpoint manifest ({exc})") from None
 
-    def incompatibility(self, model: dict[str, Any], world_size: int, dp_size: int) -> str | None:
+    def incompatibility(self, model: dict[str, Any], world_size: int, dp_size: int,
+                        layout: dict[str, int] | None = None) -> str | None:
         """Why these shards cannot be loaded into a job with this model and layout, or None."""
         if model != self.model:
             diff = sorted(k for k in {*model, *self.model} if model.get(k) != self.model.get(k))
             shown = ", ".join(f"{k}: checkpoint {self.model.get(k)!r} vs job {model.get(k)!r}"
                               for k in diff)
             return f"the checkpoint holds a different model ({shown})"
+        # Older checkpoints record no layout: they were all written with whole weights.
+        if layout is not None and any(self.layout.get(k, 1) != layout.get(k, 1) for k in _PIECES):
+            return (f"the checkpoint's weights are in pieces for {_shown(self.layout)}; this job "
+                    f"runs {_shown(layout)}; resharding is not supported, run with the same layout")
         if (world_size, dp_size) != (self.world_size, self.dp_size):
             return (f"the checkpoint was written by {self.world_size} ranks (dp {self.dp_size}); "
                     f"this job has {world_size} (dp {dp_size}); resharding is not supported, "

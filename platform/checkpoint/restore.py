@@ -132,11 +132,13 @@ def broadcast_tree(tree: Any, group: dist.ProcessGroup | None) -> Any:
 
 def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str, Any],
                    rank: int = 0, world_size: int = 1, dp_rank: int = 0, dp_size: int = 1,
+                   shard: int = 0, layout: dict[str, int] | None = None,
                    world_group: dist.ProcessGroup | None = None,
                    dp_group: dist.ProcessGroup | None = None,
                    before_step: int | None = None) -> Restored | None:
     """The newest committed checkpoint every rank could read and verify, or None if there is
-    none; only steps below `before_step` when given (to go back before a loss spike).
+    none; only steps below `before_step` when given (to go back before a loss spike). Rank 0
+    of `dp_group` (the replica group) reads piece `shard` of the weights and broadcasts it.
     Collective over `world_group` and `dp_group` when given."""
     skipped: list[tuple[int, str]] = []
     steps = committed_steps(fs, root)
@@ -147,7 +149,7 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
         replicated = per_rank = None
         try:
             manifest = read_manifest(fs, root, step)
-            mismatch = manifest.incompatibility(model, world_size, dp_size)
+            mismatch = manifest.incompatibility(model, world_size, dp_size, layout)
             if mismatch:
                 raise CheckpointMismatchError(
                     f"cannot resume from {root}/{step_dir_name(step)}: {mismatch}; point "
@@ -155,8 +157,8 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
             per_rank = load_shard(fs, root, step, rank_shard_name(rank),
                                   manifest.files.get(rank_shard_name(rank)))
             if dp_rank == 0:
-                replicated = load_shard(fs, root, step, model_shard_name(0),
-                                        manifest.files.get(model_shard_name(0)))
+                replicated = load_shard(fs, root, step, model_shard_name(shard),
+                                        manifest.files.get(model_shard_name(shard)))
         except CheckpointMismatchError:
             raise  # every rank reads the same manifest, so every rank raises
         except (ManifestError, CorruptShardError) as exc:

@@ -125,7 +125,8 @@ def cmd_checkpoint_inspect(args) -> int:
     out.print(_key_values([
         ("step", str(m.step)),
         ("created", when(m.created_unix)),
-        ("layout", f"{m.world_size} rank(s), data-parallel {m.dp_size}"),
+        ("layout", f"{m.world_size} rank(s), replica groups of {m.dp_size}"
+                   + (": " + " x ".join(f"{k} {v}" for k, v in m.layout.items()) if m.layout else "")),
         ("fingerprint", m.config_fingerprint),
         ("format", str(m.format)),
         ("files", f"{len(m.files)}, {size(sum(f.bytes for f in m.files.values()))}: "

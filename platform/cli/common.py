@@ -62,7 +62,8 @@ def print_json(data) -> None:
 
 def job_errors(exc: Exception) -> int | None:
     """Exit 1 with the message for the errors of running and submitting jobs; None for others."""
-    from longrun.controller.driver import JobFailed, UnsupportedJob
+    from longrun.config.runnable import UnsupportedJob
+    from longrun.controller.driver import JobFailed
     from longrun.services import ServiceError
     from longrun.submit import SubmitError
 

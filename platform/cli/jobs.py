@@ -49,8 +49,10 @@ def _print_chunk(chunk: str) -> None:
 
 def cmd_submit(args) -> int:
     from longrun import submit
+    from longrun.config.runnable import check_runnable
 
     cfg = load(args)  # a bad config is refused here, before anything reaches the cluster
+    check_runnable(cfg)  # ... and one this longrun cannot run (a layout that does not fit, ...)
     cluster = address(args)
     with console.status(f"shipping longrun and submitting job {cfg.job.name} to {cluster}"):
         job = submit.submit(cfg, cluster, python=args.python)

@@ -29,14 +29,15 @@ def cmd_run(args) -> int:
     if cfg.cluster.address is None:
         # Ray reads these when it is first imported, so before anything imports it.
         os.environ.update(LOOPBACK_ENV)
-    from longrun.controller.driver import check_supported
+    from longrun.config.runnable import check_runnable
 
-    check_supported(cfg)
+    check_runnable(cfg)  # before any service starts
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    console.print(f"[bold]longrun[/] job [bold]{cfg.job.name}[/]: {cfg.world_size} worker(s), "
-                  f"{cfg.training.steps} steps; resolved config in {run_dir / 'config.yaml'}")
+    console.print(f"[bold]longrun[/] job [bold]{cfg.job.name}[/]: {cfg.world_size} worker(s), layout "
+                  f"{cfg.dims.layout_name}, {cfg.training.steps} steps; resolved config in "
+                  f"{run_dir / 'config.yaml'}")
     summary = _run_with_services(cfg)
     done = f"[green]done[/]: {summary['step']} steps"
     if summary.get("resumed_from"):

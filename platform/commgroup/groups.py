@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from longrun.commgroup.store import RedisStore
 from longrun.commgroup.topology import RankLayout
@@ -77,6 +78,28 @@ class ParallelGroups:
     def dp_cp(self) -> dist.ProcessGroup:
         """The span: dp x fsdp x cp ranks that reduce gradients together."""
         return self.named["dp_cp"]
+
+    @property
+    def replicate(self) -> dist.ProcessGroup:
+        """The ranks holding the same piece of the weights (dp x cp; the span when nothing is
+        sharded): what a checkpoint is written once for and read once for."""
+        return self.named["replicate"]
+
+    @property
+    def shard_index(self) -> int:
+        """Which piece of the weights this rank holds (its FSDP and TP shard)."""
+        return self.layout.shard_index(self.rank)
+
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        """The 3-D device mesh ("replicate", "shard", "tp") of sharded training, built on the
+        groups already formed (no second rendezvous): TP applies on `mesh["tp"]`, FSDP2 on
+        `mesh["replicate", "shard"]` (HSDP) or `mesh["shard"]`. Needs the shard group, which
+        is formed where the weights are sharded (fsdp or tp > 1)."""
+        if not self.layout.dims.sharded:
+            raise ValueError("nothing is sharded in this layout (parallelism.fsdp and tp are 1)")
+        return DeviceMesh.from_group([self.named["replicate"], self.named["fsdp"], self.named["tp"]],
+                                     device_type, mesh=self.layout.mesh(),
+                                     mesh_dim_names=("replicate", "shard", "tp"))
 
     @property
     def dynamic_cp(self) -> dict[int, dist.ProcessGroup]:

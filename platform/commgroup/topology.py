@@ -8,9 +8,11 @@ bandwidth and stays inside a node; DP needs the least and spans racks. Nodes are
     rank = (((dp_i * fsdp + fsdp_i) * pp + pp_i) * cp + cp_i) * tp + tp_i
 
 Besides one group per axis there is the span (`dp_cp`: dp x fsdp x cp, the ranks that reduce
-gradients together), dynamic CP's aligned power-of-two sub-groups of the span (`dcp<size>`),
-and for USP attention each CP group's Ulysses sub-groups (`uly<size>`: consecutive ranks) and
-the rings across them (`ring<size>`). Every name's groups partition the world.
+gradients together), the ranks holding the same shard of the weights (`replicate`: dp x cp,
+the outer dimension of the HSDP mesh; the span itself when nothing is sharded), dynamic CP's
+aligned power-of-two sub-groups of the span (`dcp<size>`), and for USP attention each CP
+group's Ulysses sub-groups (`uly<size>`: consecutive ranks) and the rings across them
+(`ring<size>`). Every name's groups partition the world.
 
 Pure functions over plain data; `commgroup.groups` turns the rank lists into process groups.
 """
@@ -23,10 +25,10 @@ from itertools import product
 
 from longrun.parallel_dims import ParallelDims
 
-GROUP_KINDS = ("tp", "cp", "pp", "fsdp", "dp", "dp_cp")
+GROUP_KINDS = ("tp", "cp", "pp", "fsdp", "replicate", "dp", "dp_cp")
 _AXES = ("dp", "fsdp", "pp", "cp", "tp")  # outermost first
 _VARYING = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "fsdp": ("fsdp",), "dp": ("dp",),
-            "dp_cp": ("dp", "fsdp", "cp")}
+            "replicate": ("dp", "cp"), "dp_cp": ("dp", "fsdp", "cp")}
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,10 @@ class RankLayout:
     @cached_property
     def named_groups(self) -> list[tuple[str, list[list[int]]]]:
         """(name, rank lists) of every group to form, in the one canonical order all ranks
-        follow. A shard group is formed only where there is sharding (fsdp > 1)."""
+        follow. Shard groups are formed only where the weights are DTensors (fsdp or tp > 1:
+        the device mesh needs one, of a single rank when fsdp is 1)."""
         return [(name, groups) for name, groups in self._by_name.items()
-                if name != "fsdp" or self.dims.fsdp > 1]
+                if name != "fsdp" or self.dims.sharded]
 
     @cached_property
     def _membership(self) -> dict[str, list[int]]:
@@ -168,6 +171,22 @@ class RankLayout:
         """(name, ranks) of every group `rank` belongs to, in the canonical global order."""
         self._check_rank(rank)
         return [(name, groups[self._membership[name][rank]]) for name, groups in self.named_groups]
+
+    def shard_index(self, rank: int) -> int:
+        """Which piece of the weights `rank` holds (0 .. dims.shards - 1): its FSDP shard and
+        TP shard; equal on every rank of its `replicate` group."""
+        c = self.coords(rank)
+        return c.fsdp * self.dims.tp + c.tp
+
+    def mesh(self) -> list[list[list[int]]]:
+        """The world as a 3-D array [replicate][shard][tp] of ranks (pipeline stages aside):
+        what the device mesh of sharded training is built on. Row i of the replicate axis is
+        the i-th rank of each `replicate` group, in (dp, cp) order."""
+        d = self.dims
+        if d.pp > 1:
+            raise ValueError("a device mesh with pipeline stages is not supported (pp must be 1)")
+        return [[[self.rank_of(RankCoords(dp=i // d.cp, pp=0, cp=i % d.cp, tp=t, fsdp=s))
+                  for t in range(d.tp)] for s in range(d.fsdp)] for i in range(d.dp * d.cp)]
 
     def tp_crosses_nodes(self) -> bool:
         return any(len({self.node_of(r) for r in g}) > 1 for g in self.groups["tp"])

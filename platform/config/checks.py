@@ -22,7 +22,8 @@ def _world_fills_the_cluster(cfg: JobConfig, dims: ParallelDims) -> Problems:
     cl = cfg.cluster
     if dims.world_size != cl.workers:
         yield "parallelism", (
-            f"dp x cp x tp x pp = {dims.dp} x {dims.cp} x {dims.tp} x {dims.pp} = {dims.world_size} "
+            f"dp x fsdp x cp x tp x pp = {dims.dp} x {dims.fsdp} x {dims.cp} x {dims.tp} x {dims.pp} = "
+            f"{dims.world_size} "
             f"ranks, but the cluster has nodes x workers_per_node = {cl.nodes} x "
             f"{cl.workers_per_node} = {cl.workers} workers; change parallelism.dp to "
             f"{_suggest_dp(dims, cl.workers)} or resize cluster.nodes / cluster.workers_per_node")
@@ -43,13 +44,18 @@ def _tp_inside_a_node(cfg: JobConfig, dims: ParallelDims) -> Problems:
 
 
 def _heads_split_evenly(cfg: JobConfig, dims: ParallelDims) -> Problems:
-    heads = cfg.model.n_heads
+    m = cfg.model
+    heads = m.n_heads // dims.tp if m.n_heads % dims.tp == 0 else m.n_heads  # per TP rank
     if cfg.parallelism.cp_impl == "ulysses" and heads % dims.cp:
         yield "parallelism.cp_impl", (
-            f"Ulysses splits the attention heads across the CP group: model.n_heads ({heads}) must "
-            f"be divisible by cp ({dims.cp}); use cp_impl 'usp' or 'ring'")
-    if heads % dims.tp:
-        yield "parallelism.tp", f"model.n_heads ({heads}) must be divisible by tp ({dims.tp})"
+            f"Ulysses splits the attention heads across the CP group: the {heads} heads of each "
+            f"TP rank must be divisible by cp ({dims.cp}); use cp_impl 'usp' or 'ring'")
+    # Tensor parallelism splits heads, the feed-forward hidden layer and the vocabulary.
+    for what, n in (("model.n_heads", m.n_heads), ("the KV heads (model.n_kv_heads)", m.kv_heads),
+                    ("the feed-forward hidden size (model.ffn_dim)", m.hidden_dim),
+                    ("model.vocab_size", m.vocab_size)):
+        if n % dims.tp:
+            yield "parallelism.tp", f"{what} ({n}) must be divisible by tp ({dims.tp})"
 
 
 def _dynamic_cp_is_a_power_of_two(cfg: JobConfig, dims: ParallelDims) -> Problems:

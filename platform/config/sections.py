@@ -55,6 +55,9 @@ class ClusterSection(Section):
     nodes: PositiveInt = Field(1, description="Number of nodes the job spans.")
     workers_per_node: PositiveInt = Field(1, description="Workers per node: one per accelerator.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when present.")
+    device_memory_gb: PositiveFloat | None = Field(
+        None, description="Memory of one accelerator in GB; when set, a layout whose estimated "
+        "per-rank memory (`longrun config plan`) does not fit is refused before anything is placed.")
     peak_tflops: PositiveFloat | None = Field(
         None, description="One accelerator's dense peak TFLOP/s in the training dtype, for MFU; "
         "null: looked up for known GPUs (H100, H200, A100), none on CPU (MFU not reported).")
@@ -66,7 +69,13 @@ class ClusterSection(Section):
 
 
 class ParallelismSection(Section):
-    dp: PositiveInt = Field(1, description="Data-parallel degree (outermost).")
+    dp: PositiveInt = Field(1, description="Data-parallel degree (outermost): replicas of the model.")
+    fsdp: PositiveInt = Field(1, description="Ranks sharding one replica's parameters, gradients "
+                              "and optimizer state (FSDP2); with dp > 1 as well: HSDP, sharded "
+                              "inside a replica and replicated across.")
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="Free each block's gathered parameters after its forward and gather "
+        "them again in backward (less memory); false keeps them until backward (less traffic).")
     tp: PositiveInt = Field(1, description="Tensor-parallel degree (kept inside a node).")
     cp: PositiveInt = Field(1, description="Context-parallel degree (static upper bound).")
     pp: PositiveInt = Field(1, description="Pipeline-parallel degree.")
@@ -164,6 +173,10 @@ class TrainingSection(Section):
     betas: tuple[Annotated[float, Field(gt=0, lt=1)], Annotated[float, Field(gt=0, lt=1)]] = (0.9, 0.95)
     grad_clip: NonNegativeFloat = Field(1.0, description="Max global grad norm; 0 disables clipping.")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Per transformer block: none; full (keep only each block's input and "
+        "recompute the rest in backward); selective (keep matmul, attention and collective "
+        "outputs, recompute the cheap elementwise work).")
     grad_sync_bucket_mb: PositiveFloat = Field(
         25.0, description="Data-parallel gradient bucket size; smaller starts communication sooner."
     )

@@ -39,9 +39,9 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
         except (ManifestError, OSError) as exc:
             log.warning("checkpoint precheck: %s is unreadable (%s); looking at an older one", path, exc)
             continue
-        # The ranks that hold the same weights and data position: the span (see worker/setup.py).
+        # Replica groups: the ranks holding the same piece of the weights (see worker/setup.py).
         mismatch = manifest.incompatibility(cfg.model.model_dump(mode="json"), cfg.world_size,
-                                            cfg.dims.span)
+                                            cfg.dims.replicas, cfg.dims.degrees)
         if mismatch is None:
             return None
         return (f"cannot resume from {cfg.checkpoint_dir}/{step_dir_name(step)}: {mismatch}. "

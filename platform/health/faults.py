@@ -83,9 +83,11 @@ class FaultInjector:
             if self.model is None:
                 raise ValueError("a 'nan' fault needs the model to poison")
             import torch
+            from torch.distributed.tensor import DTensor
 
-            with torch.no_grad():
-                next(self.model.parameters()).view(-1)[0] = float("nan")
+            with torch.no_grad():  # this rank's own piece of a sharded (DTensor) weight
+                held = (p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters())
+                next(t for t in held if t.numel() > 0).view(-1)[0] = float("nan")
         elif spec.kind == "slow":
             self.slow_s = spec.seconds
         elif spec.kind == "hold":

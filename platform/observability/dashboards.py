@@ -192,6 +192,13 @@ def performance() -> Dashboard:
             Panel("Memory by rank", (Target(f"max by (rank) ({sel('longrun_train_memory_bytes', rank=True)})",
                                             "rank {{rank}}"),),
                   unit="bytes", width=12, description="Peak accelerator memory per step (peak RSS on CPU)."),
+            Panel("Training state held by rank",
+                  (Target(f"sum by (rank, layout, kind) ({sel('longrun_train_state_bytes', rank=True)})",
+                          "rank {{rank}} {{kind}} ({{layout}})"),),
+                  unit="bytes", width=12, stack=True,
+                  description="Parameters, gradients and optimizer state each rank holds, under the job's "
+                              "parallel layout: FSDP and tensor parallelism divide them (compare with "
+                              "`longrun config plan`)."),
             Row("Stragglers"),
             Panel("Step time by rank", (Target(mean(step, "rank"), "rank {{rank}}"),), unit="s", width=12),
             Panel("Step time relative to the median rank", (Target(straggle, "rank {{rank}}"),),

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # The controller's metrics live in their own module; importable from here as well.
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.server import ObservabilityServer
-from longrun.observability.vocab import INIT_PHASES, PHASES, WORKER_LABELS, bounded
+from longrun.observability.vocab import INIT_PHASES, PHASES, STATE_KINDS, WORKER_LABELS, bounded
 
 # Step times from ~10 ms (tiny CPU models) to minutes (huge models with pipeline bubbles).
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300)
@@ -64,6 +64,10 @@ class WorkerMetrics:
         self.mfu = gauge("longrun_train_mfu_ratio", "Model FLOPs utilisation of the last step (0-1).")
         self.memory = gauge("longrun_train_memory_bytes",
                             "Peak accelerator memory allocated in the last step (peak RSS on CPU).")
+        # The layout label has one value per job (its parallel degrees): bounded.
+        self.state = gauge("longrun_train_state_bytes",
+                           "Training state this rank holds, by kind (parameters, gradients, optimizer "
+                           "state), labelled with the job's parallel layout.", ("kind", "layout"))
         self.phase_time = histogram("longrun_train_phase_duration_seconds",
                                     "Time spent per phase of a step (data, forward, backward, sync, ...).",
                                     PHASE_BUCKETS, ("phase",))
@@ -105,6 +109,13 @@ class WorkerMetrics:
         memory = getattr(m, "memory_bytes", None)
         if memory is not None:
             self.memory.labels(**v).set(memory)
+
+    def observe_state(self, layout: str, held: dict[str, int]) -> None:
+        """Bytes of training state this rank holds by kind (`Trainer.state_bytes()`), under
+        the job's layout name (`ParallelDims.layout_name`): what sharding saves, per rank."""
+        for kind, nbytes in held.items():
+            self.state.labels(**self._values, kind=bounded(kind, STATE_KINDS, "state kind"),
+                              layout=layout).set(nbytes)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Time spent in one phase of a step; phase names outside vocab.PHASES become "other"."""

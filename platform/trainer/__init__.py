@@ -2,9 +2,14 @@
 
     trainer.py       Trainer: the step (data -> forward/backward -> clip -> optimizer), train, state
     step.py          StepWork: what one step computes on this rank, the same shape for every layout
-    parallelize.py   every parallelism applied to the model in one fixed order (DDP today)
-    data_parallel.py DDP with a summing hook, accumulation without syncs, fixed bucket layout
-    model.py         Llama-style decoder over packed variable-length documents
+    parallelize.py   every parallelism applied to the model in one fixed order
+    parallel_model.py   what the step asks of a layout; data_parallel.py: DDP with a summing
+                     hook and a fixed bucket layout; sharded_model.py: DTensor weights
+    tensor_parallel.py, fsdp.py, activation_checkpointing.py   TP with sequence parallel and a
+                     vocabulary-parallel loss; FSDP2/HSDP per block; recompute per block
+    feed.py          StepFeed: the sampler, packing or CP planning in a prefetch thread, the position
+    model.py, packed_attention.py   Llama-style decoder over packed variable-length documents;
+                     causal attention per document
     data.py, packing.py, tokenizer.py   corpora, the resumable sampler, packing with prefetch
     schedule.py, optim.py   the LR schedule, AdamW
     progress.py, errors.py, runtime.py, flops.py   step metrics and the progress line, NaN

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from longrun.trainer.parallel_model import ParallelModel
+
 
 # Unannotated on purpose: DDP checks a hook's annotations against the real classes, and this
 # module's annotations are strings. (group: ProcessGroup, bucket: GradBucket) -> Future[Tensor]
@@ -38,7 +40,7 @@ def _sum_allreduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class DataParallel:
+class DataParallel(ParallelModel):
     """Wraps `model` for data parallelism over `group` (None or a group of one: no wrapping,
     no communication). Call the model through `forward`; keep using `module` (the plain model)
     for state_dicts, so checkpoints do not depend on the parallel layout."""
@@ -46,10 +48,7 @@ class DataParallel:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, *,
                  bucket_mb: float = 25.0,
                  prime: Callable[[torch.nn.Module], Tensor] | None = None):
-        self.module = model
-        self.group = group
-        self.size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
+        super().__init__(model, group)
         self._ddp: DistributedDataParallel | None = None
         if self.size > 1:
             # device_ids stays None even on CUDA: DDP would otherwise copy every forward input
@@ -78,9 +77,3 @@ class DataParallel:
         else:
             with self._ddp.no_sync():
                 yield
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Sum `tensor` over the data-parallel ranks in place (a no-op alone) and return it."""
-        if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        return tensor

@@ -30,12 +30,14 @@ def _hms(seconds: float) -> str:
 class ProgressPrinter:
     """One line per `every` steps (and the last), like torchtitan's:
     step 12/100  loss 4.1234  grad_norm 1.23  lr 3.0e-04  tok/s 12,345  elapsed 0:00:05  eta 0:00:30
-    The eta extrapolates the mean step time of the steps this printer has seen."""
+    The eta extrapolates the mean step time of the steps this printer has seen; `layout` (the
+    parallel layout's name, e.g. "fsdp2.tp2") ends the line when given."""
 
     def __init__(self, total_steps: int, every: int = 1,
                  write: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, layout: str | None = None):
         self.total_steps, self.every, self.clock = total_steps, every, clock
+        self.layout = layout
         self.write = write or (lambda line: print(line, file=sys.stdout, flush=True))
         self._start: float | None = None
         self._first_step = 0
@@ -58,4 +60,6 @@ class ProgressPrinter:
             parts.append(f"mfu {100 * m.mfu:.1f}%")
         parts.append(f"mem {m.memory_bytes / 2**30:.2f}GiB")
         parts += [f"elapsed {_hms(elapsed_s)}", f"eta {_hms(eta)}"]
+        if self.layout:
+            parts.append(f"layout {self.layout}")
         return "  ".join(parts)

@@ -4,10 +4,11 @@
                Trainer(config_from_dict({'job': {'name': 'demo'}})).train()"
 
 A step reads top to bottom in `train_step`: `_next_step` (this rank's `StepWork`, see
-`step.py`), `forward_backward` (every micro-batch, gradients synchronised in the last one's
-backward), the NaN checks, clipping, the `before_update` hooks, the optimizer. The model was
-wrapped once by `parallelize` (`parallelize.py`), so the step does not know which parallelisms
-are on. Phases (`on_phase`) mark where the rank is, for heartbeats and metrics.
+`step.py`, from the `StepFeed` of `feed.py`), `forward_backward` (every micro-batch,
+gradients synchronised in the last one's backward), the NaN checks, clipping, the
+`before_update` hooks, the optimizer. The model was wrapped once by `parallelize`
+(`parallelize.py`), so the step does not know which parallelisms are on. Phases
+(`on_phase`) mark where the rank is, for heartbeats and metrics.
 
 One optimizer step runs `training.grad_accum` micro-batches. The loss is normalised per token:
 each micro-batch's summed token losses are divided by the number of loss tokens in the *whole
@@ -20,6 +21,10 @@ split across ranks.
 Under context parallelism (`context_parallel=`, see `cp/batches.py`) a step is one planned
 global batch: every rank of the dp x cp span runs the same number of micro-batches, each on
 the CP group the plan gives it, and gradients are summed over the whole span.
+
+Where the weights are sharded (`parallelism.fsdp` or `tp` > 1) the trainer is given the job's
+device mesh (`mesh=`, see `ParallelGroups.device_mesh`); the parameters, gradients and AdamW
+state are then DTensors and `state_dict()` holds this rank's pieces of them.
 """
 
 from __future__ import annotations
@@ -35,22 +40,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from longrun.config import JobConfig
 from longrun.kinds import Phase
-from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch, planned_steps
+from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch
 from longrun.trainer.cp.planner import Plan
 from longrun.trainer.data import DocumentSampler, build_corpus
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
+from longrun.trainer.feed import StepFeed
 from longrun.trainer.model import Transformer
 from longrun.trainer.optim import build_optimizer
-from longrun.trainer.packing import (
-    IGNORE_INDEX,
-    MicroBatch,
-    Prefetcher,
-    build_micro_batch,
-    packed_micro_batches,
-)
+from longrun.trainer.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
 from longrun.trainer.parallelize import parallelize
 from longrun.trainer.progress import ProgressPrinter, StepMetrics
 from longrun.trainer.runtime import (
@@ -82,6 +84,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device | str | None = None, *,
                  dp_group: dist.ProcessGroup | None = None,
                  context_parallel: ContextParallelSetup | None = None,
+                 mesh: DeviceMesh | None = None,
                  peak_flops: float | None = None, progress: bool = True):
         self.cfg = cfg
         # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
@@ -99,16 +102,19 @@ class Trainer:
         if context_parallel is not None and dp_group is not None:
             raise ValueError("pass dp_group or context_parallel (whose span group is the dp x cp "
                              "ranks), not both")
-        sync_group = context_parallel.span_group if context_parallel is not None else dp_group
-        self.dp = parallelize(self.model, cfg.dims, cfg.training, replica_group=sync_group,
-                              prime=self._priming_loss)
+        # Where the weights are sharded (fsdp or tp > 1), `mesh` is the job's device mesh.
+        span_group = context_parallel.span_group if context_parallel is not None else dp_group
+        self.parallel = parallelize(self.model, cfg.dims, cfg.training, span_group=span_group,
+                                    mesh=mesh, prime=self._priming_loss,
+                                    reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
         # Every rank of a CP span draws the same global batch; the plan splits it.
-        shard_rank, shard_size = (0, 1) if context_parallel is not None else (self.dp.rank, self.dp.size)
-        self.sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed,
-                                       dp_rank=shard_rank, dp_size=shard_size)
+        shard_rank, shard_size = ((0, 1) if context_parallel is not None
+                                  else (self.parallel.rank, self.parallel.size))
+        sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed, dp_rank=shard_rank, dp_size=shard_size)
+        self.feed = StepFeed(cfg, self.corpus, sampler, cp=context_parallel, device=self.device)
         self.step = 0
         self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)
         # Steps (1-based) whose data is consumed without training (see skip_step).
@@ -116,37 +122,15 @@ class Trainer:
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
         # must finish first).
         self.before_update: list[Callable[[], None]] = []
-        # Sampler position after the last micro-batch consumed by a *completed* step.
-        self._data_state = self.sampler.state_dict()
-        self._prefetcher: Prefetcher[Any] | None = None
-        self.printer = (ProgressPrinter(cfg.training.steps, cfg.training.log_every)
-                        if progress else None)
+        self.printer = (ProgressPrinter(cfg.training.steps, cfg.training.log_every,
+                                        layout=self.layout) if progress else None)
         log.info("model: %s parameters (%s without the embedding), %d documents in the corpus",
                  f"{self.model.num_params():,}",
                  f"{self.model.num_params(exclude_embedding=True):,}", len(self.corpus))
 
-    # -- data --------------------------------------------------------------------------------
-    def _data(self) -> Prefetcher[Any]:
-        """Micro-batches; under context parallelism, planned global batches (`PlannedStep`),
-        whose plans the prefetch thread makes while the current step trains."""
-        if self._prefetcher is None:
-            self.sampler.load_state_dict(self._data_state)
-            budget = self.cfg.data.micro_batch_tokens
-            source: Any
-            if self.cp is None:
-                source = packed_micro_batches(self.corpus, self.sampler, budget)
-            else:
-                global_tokens = budget * self.cfg.training.grad_accum * self.cp.span_size
-                source = planned_steps(packed_micro_batches(self.corpus, self.sampler, global_tokens),
-                                       self.cp, budget)
-            self._prefetcher = Prefetcher(source, self.cfg.data.prefetch)
-        return self._prefetcher
-
     def close(self) -> None:
         """Stop the data thread. The sampler may then be repositioned; training may go on."""
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
+        self.feed.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -164,8 +148,12 @@ class Trainer:
                 logits = model(inputs.tokens, inputs.positions, inputs.cu_seqlens)
             else:
                 logits = model(inputs.tokens, inputs.positions, context_parallel=attention)
-        return F.cross_entropy(logits.float(), inputs.targets, ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        targets = inputs.targets
+        if logits.shape[0] > targets.shape[0]:  # the model padded the stream (sequence parallel)
+            targets = F.pad(targets, (0, logits.shape[0] - targets.shape[0]), value=IGNORE_INDEX)
+        # Under tensor parallelism the logits are sharded by vocabulary and this runs in
+        # `loss_parallel` (see _micro_batch): no rank ever holds the whole [T, vocab].
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def _priming_loss(self, model: torch.nn.Module) -> torch.Tensor:
         """A two-token document through the whole model: enough for DDP to learn the order
@@ -185,7 +173,7 @@ class Trainer:
         if work.loss_tokens is None:
             # Each rank knows only its own count: summed before any backward, so every rank
             # divides by the same number.
-            loss_tokens = self.dp.all_reduce_sum(
+            loss_tokens = self.parallel.all_reduce_sum(
                 torch.tensor(sum(w.documents.n_tokens for w in work.micro_batches), device=self.device))
             loss_tokens.clamp_(min=1)
         else:
@@ -194,26 +182,28 @@ class Trainer:
         flops = 0.0
         for i, mb in enumerate(work.micro_batches):
             last = i == len(work.micro_batches) - 1
-            if mb.idle and not last:
+            if mb.idle and not last and not self.parallel.syncs_every_micro_batch:
                 continue
             loss_sum += self._micro_batch(mb, last=last, loss_tokens=loss_tokens)
             if not mb.idle:  # this rank's share of its group's work
                 flops += self.model.flops_of_documents(mb.documents.seq_lens) / mb.share
         self.on_phase(Phase.SYNC)
-        return (self.dp.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
+        return (self.parallel.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
 
     def _micro_batch(self, mb: MicroBatchWork, *, last: bool, loss_tokens) -> torch.Tensor:
         """Forward and backward of one micro-batch (gradients synchronised only when `last`);
         returns its summed token loss (detached)."""
-        with self.dp.micro_batch(last=last):
+        with self.parallel.micro_batch(last=last), self.parallel.loss_parallel():
             if mb.idle:  # joins the gradient synchronisation, contributes nothing
-                loss = self._priming_loss(self.dp.forward) * 0.0
+                loss = self._priming_loss(self.parallel.forward) * 0.0
             else:
                 attention = mb.attention() if mb.attention is not None else None
-                loss = self._summed_token_loss(self.dp.forward, mb.inputs, attention)
+                loss = self._summed_token_loss(self.parallel.forward, mb.inputs, attention)
             self.on_phase(Phase.BACKWARD)
             (loss / loss_tokens).backward()
-        return loss.detach()
+        loss = loss.detach()
+        # A vocabulary-parallel loss is a DTensor, replicated over the TP group.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def micro_batch_pass(self, rmb: RankMicroBatch, *, last: bool, loss_tokens: int) -> torch.Tensor:
         """One planned micro-batch on its CP group (what the CP calibration times)."""
@@ -231,23 +221,18 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.training.grad_clip
         if clip > 0:
-            return torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # Sharded gradients (FSDP) give a DTensor norm of partial sums: the global value is
+        # its full tensor (one all-reduce over the shards).
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _next_step(self) -> tuple[StepWork, float]:
         """The next step's work and the seconds spent waiting for it. Under context
         parallelism the wait is for a planned global batch, so the phase is "plan"."""
-        data = self._data()
-        if self.cp is not None:
-            self.on_phase(Phase.PLAN)
-            planned = next(data)
-            return planned_step(planned, self.cp, self.device), data.last_wait_s
-        self.on_phase(Phase.DATA)
-        batches, wait = [], 0.0
-        for _ in range(self.cfg.training.grad_accum):
-            batches.append(next(data))
-            wait += data.last_wait_s
-        return plain_step(batches), wait
+        self.on_phase(Phase.PLAN if self.cp is not None else Phase.DATA)
+        return self.feed.next()
 
     def train_step(self) -> StepMetrics:
         start = time.perf_counter()
@@ -276,7 +261,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        self._data_state = work.sampler_state
+        self.feed.done(work)
         self.last_plan = work.plan
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
@@ -317,28 +302,35 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.scheduler.step()
         self.step += 1
-        self._data_state = work.sampler_state
+        self.feed.done(work)
         log.warning("skipped step %d: its data was consumed without training", self.step)
 
     # -- state -------------------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        """The parallel layout's short name (e.g. "fsdp2.tp2"), for logs and metric labels."""
+        return self.cfg.dims.layout_name
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds, by kind (see `ParallelModel.state_bytes`)."""
+        return self.parallel.state_bytes(self.optimizer)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise-exact resume needs. Tensors are the live ones (as with
         torch's own state_dicts): copy them before training on if they must not change."""
+        model, optimizer = self.parallel.state_dicts(self.optimizer)
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
-            "data": dict(self._data_state),
+            "data": dict(self.feed.state),
             "rng": rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.close()  # the data thread must not run while the sampler is repositioned
-        self.sampler.load_state_dict(state["data"])  # checks it fits this corpus and layout
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.feed.load_state_dict(state["data"])  # checks it fits this corpus and layout
+        self.parallel.load_state_dicts(self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
-        self._data_state = dict(state["data"])
         set_rng_state(state["rng"])

@@ -10,7 +10,8 @@ everything around it, in the order it happens:
     phase(name)        each part of the step: into the heartbeat (a hang report says where the
                        rank was) and, when it ends, into the phase histogram
     before_update()    a checkpoint copy still in flight finishes before the weights change
-    after_step(m)      metrics, heartbeat progress, a checkpoint when one is due (in phase
+    after_step(m)      metrics (after the first step also the training state this rank holds,
+                       by kind and layout), heartbeat progress, a checkpoint when one is due (in phase
                        "checkpoint", so a long blocking save is judged by the hard ceiling, not
                        the step-sized hang timeout), then injected faults
 
@@ -65,8 +66,11 @@ class StepHooks:
             self.checkpointer.before_update()
 
     def after_step(self, m: StepMetrics) -> None:
+        first = self.last is None
         self.last = m
         self.metrics.observe_step(m)
+        if first and self.trainer is not None:  # the optimizer's state exists from the first step
+            self.metrics.observe_state(self.trainer.layout, self.trainer.state_bytes())
         plan = self.trainer.last_plan if self.trainer is not None else None
         if plan is not None:
             sizes = [g.cp for mb in plan.micro_batches for g in mb.groups if g.sequences]

@@ -27,12 +27,15 @@ from longrun.trainer.trainer import resolve_device
 
 @dataclass(frozen=True)
 class Replicas:
-    """The ranks holding the same weights and data position: what a checkpoint is written
-    once for (`rank` 0 of them writes the replicated state) and restored once for."""
+    """The ranks holding the same piece of the weights (`shard` of `shards`: the FSDP x TP
+    shards; 0 of 1 where every rank holds whole weights): what a checkpoint writes once
+    (`rank` 0 of them writes the piece) and reads once (and broadcasts to the others)."""
 
     rank: int
     size: int
     group: dist.ProcessGroup | None
+    shard: int = 0
+    shards: int = 1
 
 
 def backend_for(device: torch.device) -> str:
@@ -63,14 +66,18 @@ def join_groups(cfg: JobConfig, *, rank: int, attempt: int, redis_url: str, node
 
 def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
                   device: torch.device) -> tuple[Trainer, Replicas]:
-    """The trainer, and its replicas. Without context parallelism the replicas are the
-    data-parallel group; with it, every rank of the dp x cp span holds the same weights and
-    the same data position (all draw the same global batch), so the span is the group."""
+    """The trainer, and its replicas (the ranks holding the same piece of the weights).
+    Gradients are summed over the span (dp x fsdp x cp ranks). Without context parallelism
+    each span rank draws its own share of the global batch; with it, every rank of the span
+    draws the same global batch and the plan splits it. Where the weights are sharded (fsdp
+    or tp > 1) the trainer gets the device mesh built on the groups already formed."""
     peak = peak_flops(device, cfg.cluster.peak_tflops)
+    mesh = groups.device_mesh(device.type) if groups is not None and cfg.dims.sharded else None
+    replicas = replicas_of(groups)
     if not cfg.dims.cp_enabled:
-        dp_group = groups.dp if groups else None
-        trainer = Trainer(cfg, device, dp_group=dp_group, peak_flops=peak)
-        return trainer, _replicas(dp_group)
+        dp_group = groups.dp_cp if groups else None
+        trainer = Trainer(cfg, device, dp_group=dp_group, mesh=mesh, peak_flops=peak)
+        return trainer, replicas
     from longrun.trainer.cp.batches import one_rank_setup, setup_from_parallel_groups
     from longrun.trainer.cp.calibration import load_or_calibrate
     from longrun.trainer.cp.planner import CostModel
@@ -82,12 +89,14 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
                                       p2p_s_per_byte=1e-9, micro_batch_overhead_s=1e-3)
     setup = (setup_from_parallel_groups(groups, cost=provisional) if groups is not None
              else one_rank_setup(provisional, cfg.dims))
-    trainer = Trainer(cfg, device, context_parallel=setup, peak_flops=peak)
+    trainer = Trainer(cfg, device, context_parallel=setup, mesh=mesh, peak_flops=peak)
     load_or_calibrate(os.path.join(cfg.job.output_dir, cfg.job.name, "cp-calibration"), trainer)
-    return trainer, _replicas(setup.span_group)
+    return trainer, replicas
 
 
-def _replicas(group: dist.ProcessGroup | None) -> Replicas:
-    if group is None:
+def replicas_of(groups: ParallelGroups | None) -> Replicas:
+    if groups is None:
         return Replicas(0, 1, None)
-    return Replicas(dist.get_rank(group), dist.get_world_size(group), group)
+    group = groups.replicate
+    return Replicas(dist.get_rank(group), dist.get_world_size(group), group,
+                    shard=groups.shard_index, shards=groups.layout.dims.shards)

@@ -42,6 +42,9 @@ class ContextParallelSetup:
     span_rank: int
     groups: dict[int, CPGroups]  # CP size -> this rank's groups of that size
     cost: CostModel
+    # Under tensor parallelism, this rank's TP group: its members train the same micro-batches
+    # in lock-step, so they must plan with one cost model (see calibration.load_or_calibrate).
+    tp_group: dist.ProcessGroup | None = None
 
     @property
     def span_size(self) -> int:
@@ -90,7 +93,8 @@ def setup_from_parallel_groups(groups: ParallelGroups, *, cost: CostModel,
                          f"{groups.layout.dims.span}")
     span = groups.dp_cp
     return ContextParallelSetup(dims, span if dims.span > 1 else None, dist.get_rank(span),
-                                {size: cp_groups_for(groups, size, dims) for size in dims.cp_sizes}, cost)
+                                {size: cp_groups_for(groups, size, dims) for size in dims.cp_sizes}, cost,
+                                tp_group=groups.tp if groups.layout.dims.tp > 1 else None)
 
 
 def one_rank_setup(cost: CostModel, dims: ParallelDims | None = None) -> ContextParallelSetup:

@@ -282,9 +282,16 @@ def load_or_calibrate(directory: str | os.PathLike[str], trainer: Trainer,
     else:
         log.info("calibrating the dynamic-CP cost model (a few seconds) -> %s", path)
         cost = calibrate(trainer, sample_lengths)
-        if setup.span_rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            cost.save(path)
+    if setup.tp_group is not None:
+        # Each TP lane's span measured for itself; TP peers train the same micro-batches in
+        # lock-step, so all take the first lane's model (and only that lane writes the file).
+        text = [cost.to_json()]
+        dist.broadcast_object_list(text, group_src=0, group=setup.tp_group)
+        cost = CostModel.from_json(text[0])
+    first_lane = setup.tp_group is None or dist.get_rank(setup.tp_group) == 0
+    if saved[0] is None and setup.span_rank == 0 and first_lane:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cost.save(path)
     trainer.close()  # batches already planned ahead used the old model: plan them again
     setup.cost = cost
     return cost

@@ -1,0 +1,172 @@
+"""How much accelerator memory one rank needs, from the config alone (torch-free).
+
+    plan = memory_plan(cfg.model, cfg.dims, cfg.training, cfg.data, reshard_after_forward=True)
+    plan.total_bytes, plan.rows()        # what `longrun config plan` prints
+    plan_problem(cfg)                    # why it does not fit cluster.device_memory_gb, and the knob
+
+The estimate has five parts, per rank:
+
+- **parameters, gradients, optimizer state**: 4 + 4 + 8 bytes per parameter held (fp32
+  weights, fp32 gradients, AdamW's two fp32 moments); a rank holds 1/(fsdp x tp) of every
+  weight under FSDP and TP (the norms, replicated across TP, are negligible), all of it under
+  plain data parallelism.
+- **gathered weights** (FSDP only): the unsharded parameters of the block being computed and
+  of the one prefetched (all blocks when `fsdp_reshard_after_forward` is false), the root's
+  embedding and output layer, and a block's unsharded gradients before they are
+  reduce-scattered; in the parameter dtype (bf16 under mixed precision on a GPU), per TP shard.
+- **activations** at the token budget (`data.micro_batch_tokens` per rank): what backward
+  keeps of one micro-batch. Per token and layer this implementation keeps about 9 x dim +
+  2 x kv_dim + 4 x ffn_dim values (measured through autograd's saved-tensor hooks; the test
+  holds the estimate to the measurement), plus the output layer's log-probabilities
+  (vocab_size per token). Sequence parallelism divides a block's share by tp, except the
+  gathered inputs of the column-parallel projections (2 x dim); full checkpointing keeps only
+  each block's input plus one block being recomputed; selective keeps the matmul, attention
+  and collective outputs (about 5 x dim + 2 x kv_dim + 2 x ffn_dim).
+- Nothing for the allocator's fragmentation, the CUDA context or communication buffers: leave
+  headroom (`plan_problem` asks for 10%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from longrun.config.sections import DataSection, ModelSection, TrainingSection
+from longrun.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from longrun.config.job import JobConfig
+
+GB = 1e9
+HEADROOM = 0.9  # of cluster.device_memory_gb the estimate may use
+
+
+def parameter_counts(m: ModelSection) -> tuple[int, int, int]:
+    """(whole model, one transformer block, the root: embedding + final norm + output layer)
+    parameter counts; a tied embedding is counted once."""
+    kv = m.kv_heads * m.head_dim
+    block = (2 * m.dim * m.dim + 2 * m.dim * kv  # wq, wo; wk, wv
+             + 3 * m.dim * m.hidden_dim + 2 * m.dim)  # w1, w3, w2; two norms
+    root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+    return m.n_layers * block + root, block, root
+
+
+def kept_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
+    """Values kept from a micro-batch's forward until its backward, per token (see the module
+    docstring); what autograd's saved-tensor hooks see outside any checkpointed region."""
+    kv = m.kv_heads * m.head_dim
+    gathered = 2 * m.dim * (1 - 1 / tp)  # inputs of the column-parallel projections, all tokens
+    if checkpointing == "full":
+        per_layer = m.dim / tp  # the block's input (sequence-sharded under TP)
+    elif checkpointing == "selective":
+        per_layer = (5 * m.dim + 2 * kv + 2 * m.hidden_dim) / tp + gathered
+    else:
+        per_layer = (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + gathered
+    root = m.vocab_size / tp + 3 * m.dim  # log-probabilities (vocabulary-parallel), final norm
+    return m.n_layers * per_layer + root
+
+
+def activation_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
+    """Peak activation values per token: what is kept, plus under full checkpointing the one
+    block whose forward backward recomputes at a time."""
+    kept = kept_values_per_token(m, tp, checkpointing)
+    if checkpointing != "full":
+        return kept
+    kv = m.kv_heads * m.head_dim
+    return kept + (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + 2 * m.dim * (1 - 1 / tp)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Estimated bytes one rank needs, by part."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    activations: float
+    tokens_per_rank: int
+
+    @property
+    def total_bytes(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer), ("gathered weights (FSDP)", self.gathered),
+                (f"activations ({self.tokens_per_rank} tokens)", self.activations),
+                ("total", self.total_bytes)]
+
+
+def memory_plan(m: ModelSection, dims: ParallelDims, training: TrainingSection, data: DataSection, *,
+                reshard_after_forward: bool = True, on_gpu: bool = True) -> MemoryPlan:
+    """The estimate for one rank of this layout (`on_gpu`: bf16 is the compute dtype when
+    training.dtype says so; on CPU everything is fp32)."""
+    total, block, root = parameter_counts(m)
+    pieces = dims.fsdp * dims.tp
+    held = total / pieces
+    half = on_gpu and training.dtype == "bfloat16"
+    compute_bytes = 2 if half else 4
+    gathered = 0.0
+    if dims.fsdp > 1:
+        live_blocks = m.n_layers if not reshard_after_forward else min(2, m.n_layers)
+        # Gathered weights in the parameter dtype; a block's full gradients in fp32.
+        gathered = (live_blocks * block + root) * compute_bytes / dims.tp + block * 4 / dims.tp
+    tokens = data.micro_batch_tokens
+    activations = tokens * activation_values_per_token(m, dims.tp, training.activation_checkpointing) \
+        * compute_bytes
+    return MemoryPlan(parameters=held * 4, gradients=held * 4, optimizer=held * 8, gathered=gathered,
+                      activations=activations, tokens_per_rank=tokens)
+
+
+def plan_for(cfg: JobConfig) -> MemoryPlan:
+    return memory_plan(cfg.model, cfg.dims, cfg.training, cfg.data,
+                       reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                       on_gpu=cfg.cluster.device != "cpu")
+
+
+def _alternatives(cfg: JobConfig) -> list[tuple[str, MemoryPlan]]:
+    """Single changes that keep the world size, each with its estimate, best first."""
+    m, dims, tr, data = cfg.model, cfg.dims, cfg.training, cfg.data
+    raf = cfg.parallelism.fsdp_reshard_after_forward
+    on_gpu = cfg.cluster.device != "cpu"
+    out = []
+    for mode in ("selective", "full"):
+        if tr.activation_checkpointing != mode:
+            plan = memory_plan(m, dims, tr.model_copy(update={"activation_checkpointing": mode}), data,
+                               reshard_after_forward=raf, on_gpu=on_gpu)
+            out.append((f"training.activation_checkpointing: {mode}", plan))
+    if not raf and dims.fsdp > 1:
+        out.append(("parallelism.fsdp_reshard_after_forward: true",
+                    memory_plan(m, dims, tr, data, reshard_after_forward=True, on_gpu=on_gpu)))
+    factor = 2
+    while dims.dp % factor == 0:
+        moved = dataclasses.replace(dims, dp=dims.dp // factor, fsdp=dims.fsdp * factor)
+        out.append((f"parallelism.fsdp: {moved.fsdp} with dp: {moved.dp} (shard the weights, "
+                    "gradients and optimizer state instead of replicating them)",
+                    memory_plan(m, moved, tr, data, reshard_after_forward=raf, on_gpu=on_gpu)))
+        factor *= 2
+    return out
+
+
+def plan_problem(cfg: JobConfig) -> str | None:
+    """Why this layout does not fit cluster.device_memory_gb (and the change that would make
+    it fit), or None when it fits or no device memory is configured."""
+    limit = cfg.cluster.device_memory_gb
+    if limit is None:
+        return None
+    plan = plan_for(cfg)
+    budget = limit * GB * HEADROOM
+    if plan.total_bytes <= budget:
+        return None
+    biggest = max(plan.rows()[:-1], key=lambda row: row[1])
+    why = (f"the estimated {plan.total_bytes / GB:.1f} GB per rank (largest part: {biggest[0]}, "
+           f"{biggest[1] / GB:.1f} GB) exceeds 90% of cluster.device_memory_gb ({limit:g} GB)")
+    fits = [(knob, p) for knob, p in _alternatives(cfg) if p.total_bytes <= budget]
+    if fits:
+        knob, p = fits[0]
+        return f"{why}; set {knob} ({p.total_bytes / GB:.1f} GB per rank); see `longrun config plan`"
+    return (f"{why}, and no single change of activation checkpointing or sharding fits; raise "
+            "parallelism.tp or fsdp (more workers), or lower data.micro_batch_tokens; see "
+            "`longrun config plan`")

@@ -1,0 +1,45 @@
+"""What this version of longrun can run, beyond what makes a config valid.
+
+A valid config (`JobConfig`) describes a job that makes sense; a runnable one is also a job
+the controller's workers can train here: no pipeline stages yet, something to split for
+dynamic CP, and a layout whose estimated memory fits `cluster.device_memory_gb`
+(`memory.py`). `longrun config validate`, `run` and `submit` all ask this one function, so
+validate never calls a config good that run would refuse.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from longrun.config.memory import plan_problem
+
+if TYPE_CHECKING:
+    from longrun.config.job import JobConfig
+
+
+class UnsupportedJob(ValueError):
+    """A valid config this version cannot run (each line: dotted path, then the reason)."""
+
+
+def runnable_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    """(dotted path, reason) for each thing that keeps this valid config from running."""
+    problems = []
+    par = cfg.parallelism
+    if par.pp > 1:
+        problems.append(("parallelism.pp", f"the trainer has no pipeline parallelism yet (pp {par.pp}); "
+                         "set it to 1 and use tp and fsdp to fit the model"))
+    if par.dynamic_cp and cfg.world_size < 2:
+        problems.append(("parallelism.dynamic_cp", "dynamic context parallelism splits sequences "
+                         "across workers; a one-worker job has nothing to split. Set it to false "
+                         "or add workers."))
+    memory = plan_problem(cfg)
+    if memory:
+        problems.append(("cluster.device_memory_gb", memory))
+    return problems
+
+
+def check_runnable(cfg: JobConfig) -> None:
+    """Raise UnsupportedJob listing every problem `runnable_problems` finds."""
+    problems = runnable_problems(cfg)
+    if problems:
+        raise UnsupportedJob("\n".join(f"{path}: {why}" for path, why in problems))
