@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 import redis
 
 from longrun.controller.job_state import job_status
+from longrun.kinds import JobState
 from longrun.services.redis_client import quick_client
 
 URL_ENV = "LONGRUN_REDIS_URL"
@@ -35,8 +36,7 @@ MASK = "***"
 CLOCK_SLACK_S = 5.0
 LAST_EVENTS = 5
 
-_STATE = re.compile(r"state (PENDING|PLACING|DIAGNOSING|RENDEZVOUS|RUNNING|RECOVERING|SUCCEEDED|"
-                    r"FAILED|STOPPED): (.*)")
+_STATE = re.compile(r"state (" + "|".join(JobState) + r"): (.*)")
 _STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
 _EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume): (.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

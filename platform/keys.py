@@ -9,6 +9,7 @@ of times, and nothing there is read again. Under an attempt's prefix:
     hb:      heartbeats (they also expire on their own)
     diag:    the per-node stores of the collective self-check
     ckpt:    the checkpoint commit ledger (one hash per step)
+    preempt: a stop request ("now"), then the step at which every rank saves and stops
 
 The job record (attempt counter, state, events, restarts, evictions, skips) is job-wide: it
 must survive every attempt, and it is what `longrun status` reads.
@@ -65,6 +66,10 @@ def job_evicted_key(job: str) -> str:
 
 def heartbeat_key(job: str, attempt: int, rank: int) -> str:
     return f"{attempt_prefix(job, attempt)}hb:{rank}"
+
+
+def preempt_key(job: str, attempt: int) -> str:
+    return f"{attempt_prefix(job, attempt)}preempt"
 
 
 def store_prefix(job: str, attempt: int) -> str:

@@ -23,16 +23,18 @@ class JobState(enum.StrEnum):
     RENDEZVOUS = "RENDEZVOUS"
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
+    PREEMPTING = "PREEMPTING"  # asked to stop (a signal, a drained node): saving at a step boundary
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     STOPPED = "STOPPED"
+    PREEMPTED = "PREEMPTED"  # stopped with its work saved: the same command resumes it
 
     @property
     def terminal(self) -> bool:
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED})
 
 
 class FaultKind(enum.StrEnum):

@@ -52,6 +52,15 @@ def client(address: str):
         raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {exc}") from exc
 
 
+def job_env(cfg: JobConfig) -> dict[str, str]:
+    """The submitted job's environment. `longrun stop` is Ray's `stop_job`: SIGTERM to the
+    controller, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (Ray's default: 3 s). The
+    controller answers SIGTERM by saving at the next step boundary, so Ray must wait the
+    preemption grace, and a little for the controller to stop what it started."""
+    return {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+            "RAY_JOB_STOP_WAIT_TIME_S": str(int(cfg.recovery.preemption_grace_s) + 30)}
+
+
 def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submitted:
     """Submit the controller for `cfg`, with this longrun shipped; `python` is the interpreter
     the entrypoint runs with on the cluster (on its PATH, or a path there; default python3)."""
@@ -71,7 +80,7 @@ def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submit
             jobs.submit_job(
                 entrypoint=entrypoint, submission_id=submission_id,
                 runtime_env={"working_dir": str(working_dir), "py_modules": [shipment.path],
-                             "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}},
+                             "env_vars": job_env(cfg)},
                 metadata={METADATA_KEY: cfg.job.name,
                           REDIS_KEY: job_view.mask(redis_url) if redis_url else "",
                           VERSION_KEY: f"{shipment.version} (source {shipment.digest[:12]})"},

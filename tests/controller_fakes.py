@@ -44,6 +44,7 @@ class FakeGroup:
         self.script: list[list[RankEnded]] = []
         self.started = self.stopped = False
         self.pending = set(range(WORLD))
+        self.drained: dict[str, float] = {}  # node -> deadline: Ray's drain notices
 
     def node_of(self, rank: int) -> str:
         return NODES[rank // 2]
@@ -64,6 +65,9 @@ class FakeGroup:
         self.pending -= {e.rank for e in ended}
         return ended
 
+    def draining(self) -> dict[str, float]:
+        return dict(self.drained)
+
     def stop(self) -> None:
         self.stopped = True
 
@@ -80,6 +84,10 @@ class Launcher:
         self.skips: list[list[tuple[int, int]]] = []
         self.warmed: list[int] = []  # attempts whose spares were asked for
         self.released = 0
+        self.spare = 1  # nodes that could replace one of the job's
+
+    def spare_nodes(self, cfg, evicted) -> int:
+        return self.spare
 
     def warm_spares(self) -> None:
         self.warmed.append(self.calls[-1]["attempt"])
@@ -121,8 +129,9 @@ def beat_all(redis_client, cfg, attempt: int, **fields) -> None:
         beat(redis_client, cfg, attempt, rank, **fields)
 
 
-def finished(rank: int, step: int = 10) -> RankEnded:
-    return RankEnded(rank, summary={"rank": rank, "step": step, "loss": 2.0, "resumed_from": 0})
+def finished(rank: int, step: int = 10, preempted: bool = False) -> RankEnded:
+    return RankEnded(rank, summary={"rank": rank, "step": step, "loss": 2.0, "resumed_from": 0,
+                                    "preempted": preempted})
 
 
 def drive_to_running(c: Controller) -> None:

@@ -207,3 +207,16 @@ def test_a_dead_rank_on_a_node_ray_reports_dead_is_node_lost_once(monkeypatch):
     later = group._blame_lost_nodes([RankEnded(1, kind="dead", detail="rank 1's process died")])
     assert later[0].kind == "dead"  # the node was reported once already
     assert group._blame_lost_nodes([RankEnded(2, kind="exception")]) and len(asked) == 2  # no lookup
+
+
+def test_a_collective_broken_by_a_dead_peer_reads_as_a_sentence():
+    from longrun.controller.outcomes import describe
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:16547. This is typically caused by a remote worker "
+                        "crashing. Check the logs of the remote worker before reporting an error. GLHF!")
+    said = describe(3, gloo)
+    assert said == ("rank 3 lost its connection to a peer in the middle of a collective (RuntimeError): "
+                    "a peer's process likely died")
+    assert "pair.cc" not in said
+    assert describe(1, ValueError("first line\nthe reason")) == "rank 1 raised ValueError: the reason"

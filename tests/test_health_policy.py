@@ -69,6 +69,16 @@ def test_repeated_dead_on_same_node_within_window_evicts():
     assert decide(now_dead, past(1, node="n2"), recovery(), now=NOW).action is Action.RESTART
 
 
+def test_repeated_deaths_on_the_only_node_restart_on_it():
+    """A process killed from outside twice looks like a bad node; with nowhere else to go,
+    evicting it would end a recoverable job, so the job restarts on it (self-checks first)."""
+    now_dead = [Incident("dead", rank=1, node="n1", step=40, at=NOW)]
+    d = decide(now_dead, past(1, node="n1"), recovery(), now=NOW, spare_nodes=0)
+    assert d.action is Action.RESTART and d.evict_nodes == ()
+    assert "no other node can take its place; restart on it" in d.reason
+    assert decide(now_dead, past(1, node="n1"), recovery(), now=NOW, spare_nodes=1).evict_nodes == ("n1",)
+
+
 def test_job_wide_hang_blames_no_node():
     hung = [Incident("hang", rank=r, node=f"n{r // 2}", step=40, at=NOW) for r in range(4)]
     d = decide(hung, past(1, cause="hang", node="n0"), recovery(), now=NOW)

@@ -179,6 +179,7 @@ def _exported_names() -> set[str]:
     worker.observe_cp_plan([2], 1.0, 1.0)
     worker.observe_group_init("total", 1.0)
     worker.observe_state("single", {"parameters": 1})
+    worker.observe_restore("storage", 1.0)
     controller = ControllerMetrics("j")
     controller.heartbeat_age(0, "n", 1.0, sent_at=1.0)
     controller.diagnostics("n", "compute", True, 1.0)

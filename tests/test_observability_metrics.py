@@ -36,6 +36,7 @@ WORKER_FAMILIES = {
     "longrun_checkpoint_write_seconds": ("histogram", set()),
     "longrun_checkpoint_last_step": ("gauge", set()),
     "longrun_checkpoint_last_commit_timestamp_seconds": ("gauge", set()),
+    "longrun_checkpoint_restore_seconds": ("gauge", {"source"}),
     "longrun_dynamic_cp_group_size": ("histogram", set()),
     "longrun_dynamic_cp_predicted_step_seconds": ("gauge", set()),
     "longrun_dynamic_cp_measured_step_seconds": ("gauge", set()),
@@ -51,6 +52,8 @@ CONTROLLER_FAMILIES = {
     "longrun_fault_detection_seconds": ("histogram", set()),
     "longrun_recovery_duration_seconds": ("histogram", set()),
     "longrun_job_evicted_nodes": ("gauge", set()),
+    "longrun_job_steps_lost": ("counter", set()),
+    "longrun_job_last_fault_steps_lost": ("gauge", set()),
     "longrun_heartbeat_age_seconds": ("gauge", {"rank", "node"}),
     "longrun_heartbeat_timestamp_seconds": ("gauge", {"rank", "node"}),
     "longrun_diagnostics_ok": ("gauge", {"node", "check"}),
@@ -78,6 +81,7 @@ def busy_worker() -> WorkerMetrics:
     w.observe_cp_plan([1, 2, 8, 8], predicted_s=1.5, measured_s=1.7)
     w.observe_group_init("world_init", 0.3)
     w.observe_state("fsdp2.tp2", {"parameters": 400, "gradients": 400, "optimizer": 800})
+    w.observe_restore("storage", 1.5)
     return w
 
 
@@ -224,7 +228,8 @@ def test_controller_values():
     c.set_step(40, 100)
     c.set_evicted(1)
     c.detection(4.0)
-    c.recovery(12.0)
+    c.recovery(12.0, steps_lost=3)
+    c.recovery(2.0, steps_lost=0)
     c.diagnostics("node-a", "memory", False, 0.05)
     found = families(c.registry)
 
@@ -238,7 +243,9 @@ def test_controller_values():
     assert (value("longrun_job_step"), value("longrun_job_planned_steps")) == (40, 100)
     assert value("longrun_job_evicted_nodes") == 1
     assert value("longrun_fault_detection_seconds", "longrun_fault_detection_seconds_sum") == 4.0
-    assert value("longrun_recovery_duration_seconds", "longrun_recovery_duration_seconds_count") == 1
+    assert value("longrun_recovery_duration_seconds", "longrun_recovery_duration_seconds_count") == 2
+    assert value("longrun_job_steps_lost", "longrun_job_steps_lost_total") == 3
+    assert value("longrun_job_last_fault_steps_lost") == 0
     assert value("longrun_diagnostics_ok", node="node-a", check="memory") == 0
     assert value("longrun_diagnostics_duration_seconds", node="node-a", check="memory") == 0.05
 

@@ -35,6 +35,7 @@ def feed(worker: WorkerMetrics, rank: int) -> None:
     worker.checkpoint_committed(10, time.time())
     worker.observe_cp_plan([1, 2, 2, 4], predicted_s=1.9, measured_s=2.1)
     worker.observe_state("fsdp2.tp2", {"parameters": 4 << 20, "gradients": 4 << 20, "optimizer": 8 << 20})
+    worker.observe_restore("storage", 1.2)
     worker.observe_init_timings(SimpleNamespace(store_connect_s=0.01, arrival_s=0.2, world_init_s=0.4,
                                                 groups_s={"tp_0": 0.1}, total_s=0.8))
 

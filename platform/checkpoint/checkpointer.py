@@ -57,6 +57,7 @@ class Checkpointer:
             keep_last=cfg.checkpoint.keep_last, commit_timeout_s=cfg.checkpoint.commit_timeout_s,
             on_done=on_saved)
         self._pending: Snapshot | None = None
+        self.last_saved_step: int | None = None  # the step of the newest save handed to the writer
         self.last_blocking_s: float | None = None
         self.saves = self.skipped = 0
 
@@ -86,6 +87,7 @@ class Checkpointer:
                                 model=self.cfg.model.model_dump(mode="json"),
                                 config_fingerprint=self.cfg.fingerprint(), layout=self.cfg.dims.degrees)
         self.writer.submit(SaveJob(trainer.step, snapshot, manifest))
+        self.last_saved_step = trainer.step
         self._pending = snapshot
         if not self.cfg.checkpoint.async_save:
             self.writer.wait_idle()
@@ -112,6 +114,14 @@ class Checkpointer:
             if self.due(metrics.step):
                 self.save(trainer)
         return hook
+
+    def save_now(self, trainer) -> SaveResult | None:
+        """Save `trainer`'s current step unless that was done already, and wait until it is
+        written (committed, on the coordinator): what a stop request needs. Never skipped."""
+        self.flush()  # a save still in flight would otherwise make this one skip or wait
+        if self.last_saved_step != trainer.step:
+            self.save(trainer)
+        return self.flush()
 
     def flush(self) -> SaveResult | None:
         """Wait for the save in flight; raise if it failed. Returns its result."""

@@ -39,6 +39,12 @@ def cmd_run(args) -> int:
                   f"{cfg.dims.layout_name}, {cfg.training.steps} steps; resolved config in "
                   f"{run_dir / 'config.yaml'}")
     summary = _run_with_services(cfg)
+    if summary.get("preempted"):
+        from longrun.controller.driver import EXIT_PREEMPTED
+
+        console.print(f"[yellow]preempted[/]: {escape(summary['reason'])}; run the same command to resume",
+                      highlight=False)
+        return EXIT_PREEMPTED
     done = f"[green]done[/]: {summary['step']} steps"
     if summary.get("resumed_from"):
         done += f" (resumed from step {summary['resumed_from']})"

@@ -260,6 +260,10 @@ class RecoverySection(Section):
     evict_stragglers: bool = Field(False, description="Evict a straggler's node (else report it).")
     skip_after_spikes: PositiveInt = Field(
         2, description="Loss spikes at the same step before its data window is skipped on restart.")
+    preemption_grace_s: PositiveFloat = Field(
+        120.0, description="After a stop request (SIGTERM or SIGINT to the controller, `longrun stop`, "
+        "a drained node): how long the workers get to save a checkpoint at the next step boundary "
+        "and commit it before everything is stopped anyway.")
     diagnostics: list[Literal["compute", "memory", "collective", "store"]] = Field(
         default_factory=lambda: ["compute", "memory", "collective", "store"]
     )

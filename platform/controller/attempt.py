@@ -34,6 +34,8 @@ class Attempt:
     trained: bool = False  # every rank has completed a step of this attempt
     endpoints: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (metrics host:port, node)
     last_beat_at: dict[int, float] = field(default_factory=dict)  # rank -> sent_at of its newest heartbeat
+    reached: int = 0  # the newest step any rank reported in this attempt
+    lost_from: int | None = None  # the step the previous attempt had reached when it failed
 
     @property
     def resume_before_step(self) -> int | None:
@@ -48,7 +50,8 @@ class Attempt:
     def next(self, recovery: Transition) -> Attempt:
         """The attempt that answers `recovery` (the move into RECOVERING that ended this one)."""
         history = self.monitor.loss_history if self.monitor is not None else self.loss_history
-        return Attempt(self.number + 1, recovery=recovery, loss_history=history)
+        reached = max(self.reached, self.lost_from or 0)  # an attempt that never trained lost nothing new
+        return Attempt(self.number + 1, recovery=recovery, loss_history=history, lost_from=reached)
 
     def watch(self, world_size: int, health: HealthSection, now: float) -> None:
         """Start judging this attempt's heartbeats (its ranks were just started)."""

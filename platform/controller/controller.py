@@ -18,6 +18,12 @@ at once, and so does a checkpoint it cannot resume from, found before anything i
 (precheck.py). The controller decides and moves; the event log, metrics, service discovery
 and the progress record listen (listeners.py).
 
+A stop request (`request_preemption`: a signal to `longrun run` or to a submitted job, or Ray
+draining one of the job's nodes) moves a RUNNING job to PREEMPTING: the workers save at a step
+boundary they agree on (worker/preemption.py) and stop, and the job ends PREEMPTED with that
+checkpoint committed, or when `recovery.preemption_grace_s` runs out. Running the same job
+again resumes from it.
+
 What the next controller needs lives in Redis under the job's prefix (record, events, restart
 history, evictions), written through a client that rides out a Redis restart: a controller
 started again with the same job name continues with the next attempt.
@@ -46,6 +52,7 @@ from longrun.health.policy import Action, Decision, Incident, RestartRecord, dec
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import advertised_address, target_groups
 from longrun.services.redis_client import patient_client, quick_client
+from longrun.worker import preemption
 
 __all__ = ["Controller", "JobFailed", "StoreUnavailable", "job_status"]
 log = logging.getLogger(__name__)
@@ -77,8 +84,10 @@ class Controller:
         self.clock, self.wall, self.sleep = clock, wall, sleep
         self.on_event = on_event or (lambda line: log.info("%s", line))
         self.attempt = Attempt(0)
-        self.summary: dict[str, Any] | None = None  # set on SUCCEEDED
+        self.summary: dict[str, Any] | None = None  # set on SUCCEEDED and PREEMPTED
         self.failure: str | None = None  # set on FAILED
+        self.stop_request: str | None = None  # why the job was asked to stop (request_preemption)
+        self._preempt_deadline: float | None = None
         # Operators' view: /metrics and /sd (the workers' scrape targets follow restarts).
         self.metrics = ControllerMetrics(cfg.job.name)
         self._address: str | None = None
@@ -130,11 +139,21 @@ class Controller:
             self._release()
         if self.machine.state is JobState.FAILED:
             raise JobFailed(self.failure)
-        assert self.summary is not None
+        assert self.summary is not None  # SUCCEEDED or PREEMPTED
         return self.summary
+
+    def request_preemption(self, reason: str) -> None:
+        """Ask the job to stop with its work saved (safe from a signal handler: the next
+        `step()` acts on it)."""
+        if self.stop_request is None:
+            self.stop_request = reason
 
     def step(self) -> JobState:
         """Do the current state's work once; the state it led to."""
+        state = self.machine.state
+        if self.stop_request is not None and state is not JobState.PREEMPTING and not state.terminal:
+            self._preempt()
+            return self.machine.state
         handler = {
             JobState.PENDING: self._on_pending,
             JobState.PLACING: self._on_placing,
@@ -142,6 +161,7 @@ class Controller:
             JobState.RENDEZVOUS: self._on_rendezvous,
             JobState.RUNNING: self._on_running,
             JobState.RECOVERING: self._on_recovering,
+            JobState.PREEMPTING: self._on_preempting,
         }.get(self.machine.state)
         if handler is not None:
             handler()
@@ -197,6 +217,11 @@ class Controller:
     def _on_running(self) -> None:
         incidents = self.watcher.poll(self.attempt)
         if incidents is None:
+            draining = self.attempt.group.draining()
+            if draining:
+                nodes = ", ".join(n[:12] for n in sorted(draining))
+                self.request_preemption(f"Ray is draining node(s) {nodes} (a preemption or scale-down "
+                                        "notice)")
             return
         if not incidents:
             self._succeed()
@@ -215,7 +240,47 @@ class Controller:
         self.attempt = self.attempt.next(recovery)
         self._move(JobState.PLACING, self._placing_reason())
 
+    def _on_preempting(self) -> None:
+        incidents = self.watcher.poll(self.attempt)
+        if incidents is None:  # still saving
+            if self.clock() < self._preempt_deadline:
+                return
+            self._preempted(f"the workers did not finish saving within recovery.preemption_grace_s "
+                            f"({self.cfg.recovery.preemption_grace_s:g} s); running the job again resumes "
+                            "from its newest committed checkpoint")
+            return
+        if incidents:
+            self._preempted(f"a rank failed while saving ({incidents[0].detail}); running the job "
+                            "again resumes from its newest committed checkpoint")
+            return
+        summary = self.attempt.summaries[0]
+        if not summary.get("preempted"):  # the last step came before the stop request did
+            self._succeed()
+            return
+        self._preempted(f"the checkpoint of step {summary['step']} is committed; running the job "
+                        "again resumes from it", summary)
+
     # -- the pieces ---------------------------------------------------------------------------
+    def _preempt(self) -> None:
+        """Act on a stop request: a running attempt saves at its next agreed step boundary
+        (PREEMPTING); anything else has trained nothing since the newest checkpoint, so it stops."""
+        reason = f"asked to stop: {self.stop_request}"
+        if self.machine.state is not JobState.RUNNING:
+            self._preempted(f"{reason}; nothing trained since the newest committed checkpoint, "
+                            "which running the job again resumes from")
+            return
+        preemption.request(self.watch_client, self.cfg.job.name, self.attempt.number)
+        self._preempt_deadline = self.clock() + self.cfg.recovery.preemption_grace_s
+        self._move(JobState.PREEMPTING, f"{reason}; saving a checkpoint at the next step boundary "
+                   f"(within {self.cfg.recovery.preemption_grace_s:g} s)")
+
+    def _preempted(self, reason: str, summary: dict[str, Any] | None = None) -> None:
+        self._end_attempt()
+        self._move(JobState.PREEMPTED, reason)
+        self.summary = (summary or {}) | {"preempted": True, "reason": reason,
+                                          "attempt": self.attempt.number,
+                                          "restarts": len(self.record.restarts())}
+
     def _resume_point(self) -> None:
         """Pick the attempt number. Attempt ids are never reused under one job name (stale keys
         of an old attempt must not meet a new one). A previous controller that did not finish
@@ -234,7 +299,8 @@ class Controller:
 
     def _decide(self, incidents: list[Incident], failed_nodes: dict[str, str]) -> Decision:
         history = [RestartRecord.from_dict(r) for r in self.record.restarts()]
-        return decide(incidents, history, self.cfg.recovery, now=self.wall(), failed_diagnostics=failed_nodes)
+        return decide(incidents, history, self.cfg.recovery, now=self.wall(), failed_diagnostics=failed_nodes,
+                      spare_nodes=self.launch.spare_nodes(self.cfg, self.record.evicted()))
 
     def _handle(self, decision: Decision) -> None:
         """Carry out a decision that ends the attempt: restart (maybe evicting) or give up."""

@@ -111,7 +111,7 @@ class MetricsListener(Listener):
 
     def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
         if kind == "recovered":
-            self.metrics.recovery(extra["seconds"])
+            self.metrics.recovery(extra["seconds"], extra["steps_lost"])
 
     def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
         for i in incidents:

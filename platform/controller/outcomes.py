@@ -20,7 +20,8 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from longrun.kinds import FaultKind
 
-__all__ = ["RankEnded", "dead_nodes", "fault_kind_of", "last_line", "outcome", "unwrap"]
+__all__ = ["RankEnded", "dead_nodes", "describe", "draining_nodes", "fault_kind_of", "last_line",
+           "outcome", "unwrap"]
 
 # Errors that recur on any node and in any attempt: user code that does not import or parse,
 # and a config the workers reject.
@@ -54,15 +55,40 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
 
 
+# How the collective backends word a peer that went away mid-collective (gloo, NCCL).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL communicator was aborted", "remote process exited or there was a network error")
+
+
 def last_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[-1] if text else type(exc).__name__
+
+
+def describe(rank: int, error: BaseException) -> str:
+    """A sentence for how `rank` failed. A collective that broke because a peer died reads as
+    that (the peer's own death is the fault; this rank is a messenger), not as the backend's
+    message with its source path."""
+    text = str(error)
+    if any(sign in text for sign in _PEER_GONE):
+        return (f"rank {rank} lost its connection to a peer in the middle of a collective "
+                f"({type(error).__name__}): a peer's process likely died")
+    return f"rank {rank} raised {type(error).__name__}: {last_line(error)}"
 
 
 def dead_nodes(node_ids: Iterable[str]) -> set[str]:
     """Those of `node_ids` that Ray no longer lists as alive (removed, crashed, preempted)."""
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     return {n for n in node_ids if n not in alive}
+
+
+def draining_nodes(node_ids: Iterable[str]) -> dict[str, float]:
+    """Those of `node_ids` Ray is draining (a preemption notice, a scale-down), with the unix
+    time each must be empty by (0: no deadline)."""
+    from ray._private.state import state
+
+    draining = state.get_draining_nodes()
+    return {n: draining[n] / 1000 for n in node_ids if n in draining}
 
 
 def outcome(ref: Any, rank: int) -> RankEnded:
@@ -72,7 +98,7 @@ def outcome(ref: Any, rank: int) -> RankEnded:
     except RayTaskError as exc:
         cause = unwrap(exc)
         return RankEnded(rank, kind=fault_kind_of(cause), step=getattr(cause, "step", None),
-                         detail=f"rank {rank} raised {type(cause).__name__}: {last_line(cause)}")
+                         detail=describe(rank, cause))
     except RayActorError as exc:
         return RankEnded(rank, kind=FaultKind.DEAD,
                          detail=f"rank {rank}'s process died ({type(exc).__name__})")

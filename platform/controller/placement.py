@@ -98,6 +98,15 @@ def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[st
     return (ready + busy)[:wanted]
 
 
+def spare_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = ()) -> int:
+    """How many live, never evicted nodes could hold a node's share of the job beyond the
+    `cluster.nodes` it needs: whether losing one of its nodes leaves a place to go."""
+    bundle, banned = worker_bundle(cfg), set(evicted)
+    able = [n for n in nodes if n.node_id not in banned and n.fits(bundle, cfg.cluster.workers_per_node,
+                                                                    free=False)]
+    return max(0, len(able) - cfg.cluster.nodes)
+
+
 @dataclass
 class Placement:
     group: PlacementGroup

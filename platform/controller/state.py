@@ -11,7 +11,9 @@ that carries it out; a move into FAILED may carry the decision that gave up.
     PENDING -> PLACING -> DIAGNOSING -> RENDEZVOUS -> RUNNING -> SUCCEEDED
                   ^                                    |
                   +------------- RECOVERING <----------+   (a fault, within the budget)
-    any live state -> FAILED (budget spent, unrecoverable) | STOPPED (user asked)
+    RUNNING -> PREEMPTING -> PREEMPTED   (a signal or a drained node: save at a step boundary, stop)
+    any live state -> FAILED (budget spent, unrecoverable) | STOPPED (user asked) |
+                      PREEMPTED (asked to stop before anything new was trained)
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ _NEXT: dict[JobState, frozenset[JobState]] = {
     JobState.PLACING: frozenset({JobState.DIAGNOSING, JobState.RENDEZVOUS, JobState.RECOVERING}),
     JobState.DIAGNOSING: frozenset({JobState.RENDEZVOUS, JobState.RECOVERING}),
     JobState.RENDEZVOUS: frozenset({JobState.RUNNING, JobState.RECOVERING}),
-    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.RECOVERING}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.RECOVERING, JobState.PREEMPTING}),
     JobState.RECOVERING: frozenset({JobState.PLACING}),
+    JobState.PREEMPTING: frozenset({JobState.SUCCEEDED}),  # the last step came first
 }
-# Failing and stopping are possible from every live state.
+# Failing, stopping and being preempted are possible from every live state.
 for _state in list(_NEXT):
-    _NEXT[_state] = _NEXT[_state] | {JobState.FAILED, JobState.STOPPED}
+    _NEXT[_state] = _NEXT[_state] | {JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED}
 
 
 class InvalidTransition(RuntimeError):

@@ -83,6 +83,7 @@ class Watcher:
     def _progress(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
         if not live:
             return
+        attempt.reached = max(attempt.reached, *(b.step for b in live))
         for b in live:
             attempt.last_beat_at[b.rank] = b.sent_at
             if b.metrics_addr:
@@ -94,6 +95,9 @@ class Watcher:
         self.listeners.trained(attempt)
         if attempt.recovery is not None:
             took = self.wall() - attempt.recovery.at
+            resumed = max(b.resumed_from for b in live)
+            lost = max(0, (attempt.lost_from or 0) - resumed)
             self.listeners.event("recovered", attempt, (
                 f"attempt {attempt.number} completed its first step {took:.1f} s after the fault "
-                "was declared"), {"seconds": round(took, 3)})
+                f"was declared; it resumed from step {resumed}, {lost} step(s) of work lost"),
+                {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost})

@@ -19,8 +19,16 @@ import ray
 from ray.exceptions import RayError
 
 from longrun.config import JobConfig
-from longrun.controller.outcomes import RankEnded, dead_nodes, fault_kind_of, last_line, outcome, unwrap
-from longrun.controller.placement import Placement, place, worker_bundle
+from longrun.controller.outcomes import (
+    RankEnded,
+    dead_nodes,
+    draining_nodes,
+    fault_kind_of,
+    last_line,
+    outcome,
+    unwrap,
+)
+from longrun.controller.placement import Placement, alive_nodes, place, spare_nodes, worker_bundle
 from longrun.kinds import FaultKind
 from longrun.worker.actor import TrainWorker
 
@@ -35,6 +43,7 @@ class WorkerGroup(Protocol):
     def start(self) -> None: ...
     def poll(self, timeout_s: float) -> list[RankEnded]: ...
     def running(self) -> int: ...
+    def draining(self) -> dict[str, float]: ...
     def stop(self) -> None: ...
 
 
@@ -54,6 +63,7 @@ class Launcher(Protocol):
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
                  skip_steps: Sequence[tuple[int, int]] = ()) -> WorkerGroup: ...
+    def spare_nodes(self, cfg: JobConfig, evicted: Iterable[str]) -> int | None: ...
     def warm_spares(self) -> None: ...
     def release(self) -> None: ...
 
@@ -112,6 +122,10 @@ class RayWorkerGroup:
             return []
         done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=timeout_s)
         return self._blame_lost_nodes([outcome(ref, self._runs.pop(ref)) for ref in done])
+
+    def draining(self) -> dict[str, float]:
+        """The group's nodes Ray is draining -> the unix time they must be empty by (0: none)."""
+        return draining_nodes(set(self.node_ids))
 
     def _blame_lost_nodes(self, ended: list[RankEnded]) -> list[RankEnded]:
         """Dead ranks whose node Ray reports dead: the node is the fault (`node_lost`, once per
@@ -188,6 +202,10 @@ class RayLauncher:
             raise LaunchFailed(f"attempt {attempt}'s workers did not start: {last_line(exc)[:300]}",
                                kind=fault_kind_of(unwrap(exc))) from exc
         return RayWorkerGroup(self.placement, actors)
+
+    def spare_nodes(self, cfg: JobConfig, evicted: Iterable[str]) -> int | None:
+        """Live nodes beyond the job's (never evicted) that could replace one of its nodes."""
+        return spare_nodes(cfg, alive_nodes(), evicted)
 
     def warm_spares(self) -> None:
         """Start and warm the next attempt's spares (called once the attempt trains, so their

@@ -28,12 +28,15 @@ MAX_BACKOFF_S = 60.0
 
 
 def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,
-           *, now: float, failed_diagnostics: Mapping[str, str] | None = None) -> Decision:
+           *, now: float, failed_diagnostics: Mapping[str, str] | None = None,
+           spare_nodes: int | None = None) -> Decision:
     """What to do about `incidents`, given the restarts in `history`.
 
     `failed_diagnostics` (node id -> reason) counts as one diagnostics_failed incident per node.
+    `spare_nodes`: live nodes, beyond the job's and never evicted, that could take one of its
+    nodes' place (None: unknown); a node is evicted for repeated faults only where one can.
     """
-    facts = _gather(incidents, history, recovery, now, failed_diagnostics or {})
+    facts = _gather(incidents, history, recovery, now, failed_diagnostics or {}, spare_nodes)
     if not facts.incidents:
         return Decision(Action.CONTINUE, "no incidents: 0 reported, continue.")
     primary, *others = facts.incidents
@@ -93,12 +96,13 @@ def _within_budget(decision: Decision, f: Facts) -> Decision:
 
 
 def _gather(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,
-            now: float, failed_diagnostics: Mapping[str, str]) -> Facts:
+            now: float, failed_diagnostics: Mapping[str, str], spare_nodes: int | None) -> Facts:
     named = {i.node for i in incidents if i.kind == "diagnostics_failed"}
     extra = [Incident("diagnostics_failed", node=node, at=now, detail=why)
              for node, why in sorted(failed_diagnostics.items()) if node not in named]
     return Facts(incidents=tuple(sorted(set(incidents) | set(extra), key=_order)),
-                 history=tuple(sorted(history, key=lambda r: r.at)), recovery=recovery, now=now)
+                 history=tuple(sorted(history, key=lambda r: r.at)), recovery=recovery, now=now,
+                 spare_nodes=spare_nodes)
 
 
 def _order(i: Incident) -> tuple:

@@ -12,7 +12,10 @@ from longrun.config.sections import RecoverySection
 from longrun.health.decisions import Action, Decision, Incident, RestartRecord
 
 # Ranks on one node that died or hung this often within restart_window_s (this time included) get
-# the node evicted: once is bad luck (a crash, an OOM), twice on the same machine is the machine.
+# the node evicted: once is bad luck (a crash, an OOM), twice on the same machine is likely the
+# machine; but only where another node can take its place. A process killed from outside looks
+# the same and is no evidence against the node: with no replacement, the job restarts on it
+# (its self-checks run before training resumes, and failing them evicts it).
 REPEATS_BEFORE_EVICTION = 2
 _BAD_LOSS = frozenset({"nan", "loss_spike"})
 _NODE_FAULTS = frozenset({"dead", "hang"})
@@ -25,6 +28,7 @@ class Facts:
     history: tuple[RestartRecord, ...]  # oldest first
     recovery: RecoverySection
     now: float
+    spare_nodes: int | None = None  # live nodes that could replace one of the job's (None: unknown)
 
     @property
     def recent(self) -> tuple[RestartRecord, ...]:
@@ -59,8 +63,12 @@ def _rule_dead_or_hang(i: Incident, f: Facts) -> Decision:
     repeats = _repeats_on_node(i, f)
     if repeats >= REPEATS_BEFORE_EVICTION:
         window = f.recovery.restart_window_s
-        return Decision(Action.EVICT_AND_RESTART, f"repeated fault on node: {what}, {repeats} dead/hung "
-                        f"ranks on node {i.node} within {window:g} s; evict it and restart.",
+        seen = f"{what}, {repeats} dead/hung ranks on node {i.node} within {window:g} s"
+        if f.spare_nodes == 0:
+            return Decision(Action.RESTART, f"repeated fault on node: {seen}, but no other node can take "
+                            "its place; restart on it (its self-checks run first, and evict it if they "
+                            "fail).", cause=i)
+        return Decision(Action.EVICT_AND_RESTART, f"repeated fault on node: {seen}; evict it and restart.",
                         evict_nodes=(i.node,), cause=i)
     return Decision(Action.RESTART, f"{'dead' if i.kind == 'dead' else 'hung'} rank: {what} "
                     f"({_count(f, i.kind)} {i.kind} reported); restart.", cause=i)

@@ -60,6 +60,11 @@ class ControllerMetrics:
         self.recovery_time = Histogram("longrun_recovery_duration_seconds",
                                        "From a fault's detection to training again.", labels,
                                        buckets=RECOVERY_BUCKETS, registry=r)
+        # prometheus-client appends _total: exported as longrun_job_steps_lost_total.
+        self.steps_lost = Counter("longrun_job_steps_lost", "Steps of training redone after faults (0 per "
+                                  "fault is the goal).", labels, registry=r)
+        self.last_steps_lost = Gauge("longrun_job_last_fault_steps_lost",
+                                     "Steps redone after the most recent fault.", labels, registry=r)
         self.evicted = Gauge("longrun_job_evicted_nodes", "Nodes evicted from the job.", labels, registry=r)
         self.heartbeat = Gauge("longrun_heartbeat_age_seconds", "Age of each rank's newest heartbeat.",
                                (*labels, "rank", "node"), registry=r)
@@ -79,8 +84,9 @@ class ControllerMetrics:
                                      "per phase.", (*labels, "phase"), registry=r)
         # Created up front: a series that exists at 0 answers queries before anything happens.
         self.state.labels(job).state(JobState.PENDING.value)
-        for gauge in (self.attempt, self.step, self.planned, self.evicted):
+        for gauge in (self.attempt, self.step, self.planned, self.evicted, self.last_steps_lost):
             gauge.labels(job).set(0)
+        self.steps_lost.labels(job)
         for kind in FAULT_KINDS:
             self.restarts.labels(job, kind)
             self.faults.labels(job, kind)
@@ -111,8 +117,10 @@ class ControllerMetrics:
     def detection(self, seconds: float) -> None:
         self.detection_time.labels(self.job).observe(seconds)
 
-    def recovery(self, seconds: float) -> None:
+    def recovery(self, seconds: float, steps_lost: int = 0) -> None:
         self.recovery_time.labels(self.job).observe(seconds)
+        self.steps_lost.labels(self.job).inc(steps_lost)
+        self.last_steps_lost.labels(self.job).set(steps_lost)
 
     def set_evicted(self, count: int) -> None:
         self.evicted.labels(self.job).set(count)

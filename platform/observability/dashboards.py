@@ -132,6 +132,19 @@ def overview() -> Dashboard:
                   kind="stat", unit="s", width=8,
                   description="Mean over the time range: from a fault to its detection, and from detection "
                               "to training again. No value: no fault in the range."),
+            Panel("Steps lost per fault",
+                  (Target(f"max by (job) ({sel('longrun_job_last_fault_steps_lost')})", "{{job}} last fault"),
+                   Target(f"sum by (job) (increase({sel('longrun_job_steps_lost_total')}[$__range]))",
+                          "{{job}} in the range")),
+                  unit="none", width=8,
+                  description="Steps of training redone after faults: the steps since the checkpoint a "
+                              "restart resumed from. 0 is the goal (memory snapshots, preemption saves)."),
+            Panel("Restore time by source",
+                  (Target(f"max by (source) ({sel('longrun_checkpoint_restore_seconds', rank=True)})",
+                          "{{source}}"),),
+                  unit="s", width=16,
+                  description="How long the slowest rank took to restore at the start of an attempt, by "
+                              "where it read the state: storage, or a peer's memory."),
             Panel("Heartbeat age by rank",
                   (Target(f"time() - max by (rank, node) "
                           f"({sel('longrun_heartbeat_timestamp_seconds', rank=True)})",

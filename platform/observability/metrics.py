@@ -22,7 +22,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # The controller's metrics live in their own module; importable from here as well.
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.server import ObservabilityServer
-from longrun.observability.vocab import INIT_PHASES, PHASES, STATE_KINDS, WORKER_LABELS, bounded
+from longrun.observability.vocab import (
+    INIT_PHASES,
+    PHASES,
+    RESTORE_SOURCES,
+    STATE_KINDS,
+    WORKER_LABELS,
+    bounded,
+)
 
 # Step times from ~10 ms (tiny CPU models) to minutes (huge models with pipeline bubbles).
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300)
@@ -77,6 +84,9 @@ class WorkerMetrics:
         self.ckpt_write = histogram("longrun_checkpoint_write_seconds",
                                     "Background write of a checkpoint to storage.", CHECKPOINT_WRITE_BUCKETS)
         self.ckpt_step = gauge("longrun_checkpoint_last_step", "Step of the newest committed checkpoint.")
+        self.restore_time = gauge("longrun_checkpoint_restore_seconds",
+                                  "How long this rank's last restore took, by where it read from "
+                                  "(storage, or a peer's memory).", ("source",))
         self.ckpt_time = gauge("longrun_checkpoint_last_commit_timestamp_seconds",
                                "Unix time the newest committed checkpoint was committed.")
         self.cp_size = histogram("longrun_dynamic_cp_group_size",
@@ -133,6 +143,11 @@ class WorkerMetrics:
         too, so the checkpoint-age panel and alert have a value before this attempt's first save)."""
         self.ckpt_step.labels(**self._values).set(step)
         self.ckpt_time.labels(**self._values).set(at)
+
+    def observe_restore(self, source: str, seconds: float) -> None:
+        """A restore at the start of an attempt, from `source` (vocab.RESTORE_SOURCES)."""
+        self.restore_time.labels(**self._values, source=bounded(source, RESTORE_SOURCES, "restore source")
+                                 ).set(seconds)
 
     def observe_cp_plan(self, cp_sizes: Sequence[int], predicted_s: float, measured_s: float | None) -> None:
         """One dynamic-CP plan: the CP size of each micro-batch, the cost model's step time and,

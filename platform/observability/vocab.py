@@ -55,6 +55,8 @@ PHASES = (*STEP_PHASES, Phase.CHECKPOINT, Phase.RESTORE, OTHER)
 # commgroup.init.InitTimings fields (the per-group times are summed into "groups": group
 # names like tp_3 are not bounded by anything but the world size).
 INIT_PHASES = ("store_connect", "arrival", "world_init", "groups", "total", OTHER)
+# Where a restore read the training state from (longrun_checkpoint_restore_seconds{source}).
+RESTORE_SOURCES = ("storage", "memory", OTHER)
 # What the training state a rank holds is made of (longrun_train_state_bytes{kind}).
 STATE_KINDS = ("parameters", "gradients", "optimizer", OTHER)
 

@@ -1,7 +1,9 @@
 """Child server processes that never outlive longrun.
 
 Each server runs in its own session (so one signal reaches it and everything it spawned)
-and, on Linux, with a parent-death signal (so even a SIGKILLed longrun takes it down).
+and, on Linux, with a parent-death signal (so even a SIGKILLed longrun takes it down). A
+server that spawns a tree of its own (the Ray head) runs under `sentinel.py`, which takes its
+whole session down when longrun dies.
 `stop()` is polite first (SIGTERM to the group), then firm (SIGKILL), and is registered
 with atexit so an interpreter that exits without calling it still cleans up.
 """
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+SENTINEL = Path(__file__).with_name("sentinel.py")
 _live: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
@@ -30,10 +33,14 @@ class ServiceError(RuntimeError):
     """A server could not be started, or died; the message says what to do."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(sig: int = signal.SIGKILL) -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def _sentinel_with_parent() -> None:
+    _die_with_parent(signal.SIGTERM)  # the sentinel's handler stops its session, then exits
 
 
 class ManagedProcess:
@@ -43,18 +50,24 @@ class ManagedProcess:
     *thread* that forked the child exits.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict | None = None):
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict | None = None, *,
+                 tree: bool = False):
+        """`tree`: the server spawns processes of its own; run it under the sentinel, so they
+        all die with longrun (see sentinel.py)."""
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # The sentinel is stdlib only, run by path in isolated mode: any interpreter runs it,
+        # with or without longrun installed.
+        launch = [sys.executable, "-I", str(SENTINEL), *self.argv] if tree else self.argv
         self.proc = subprocess.Popen(
-            self.argv,
+            launch,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_sentinel_with_parent if tree else _die_with_parent,
             env=env,
         )
         with _live_lock:

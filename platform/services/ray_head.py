@@ -82,7 +82,7 @@ class EmbeddedRay:
         # Jobs submitted to this head run `python ...` in its environment: make that this
         # interpreter (the one with longrun installed), whether or not a venv is activated.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        self.process = ManagedProcess("ray-head", argv, self.temp_dir / "head.log", env=env)
+        self.process = ManagedProcess("ray-head", argv, self.temp_dir / "head.log", env=env, tree=True)
         try:
             self._wait_ready()
         except BaseException:

@@ -106,7 +106,7 @@ class TrainWorker:
             # Published in the heartbeat: the controller turns it into Prometheus scrape targets.
             address = advertised_address(obs.metrics_host, self.metrics_port)
             beat.update(phase=Phase.SETUP, metrics_addr=address)
-            summary = self._train(beat, metrics, ledger_client)
+            summary = self._train(beat, metrics, ledger_client, client)
         except BaseException as exc:
             step = getattr(exc, "step", None)
             if getattr(exc, "fault_kind", None) == FaultKind.NAN and step is not None:
@@ -122,11 +122,12 @@ class TrainWorker:
         beat.stop(final_phase=Phase.DONE)
         return summary | {"rank": self.rank, "metrics_port": self.metrics_port}
 
-    def _train(self, beat: HeartbeatPublisher, metrics: WorkerMetrics, ledger_client):
+    def _train(self, beat: HeartbeatPublisher, metrics: WorkerMetrics, ledger_client, client):
         # torch is imported only in the worker process
         from longrun.checkpoint import Checkpointer, RedisCommitLedger
         from longrun.health.faults import FaultInjector
         from longrun.worker.hooks import StepHooks
+        from longrun.worker.preemption import Preempted, PreemptionWatch
         from longrun.worker.setup import build_trainer, join_groups, worker_device
 
         cfg, groups = self.cfg, None
@@ -146,14 +147,21 @@ class TrainWorker:
                 ledger=RedisCommitLedger(ledger_client, cfg.job.name, self.attempt))
             hooks.faults = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model,
                                          on_fire=self._record_fault(ledger_client), on_phase=hooks.phase)
+            hooks.preemption = PreemptionWatch(client, cfg.job.name, self.attempt)
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
+            preempted = False
             try:
                 trainer.train(on_step=hooks.after_step)
+            except Preempted as stop:  # asked to stop; the checkpoint of this step is committed
+                preempted = True
+                if self.rank == 0:
+                    print(f"stopped on request after step {stop.step}: its checkpoint is committed",
+                          flush=True)
             finally:
                 hooks.checkpointer.close()  # the last save commits, or its failure is raised
         last = hooks.last
-        return {"step": trainer.step, "resumed_from": resumed_from,
+        return {"step": trainer.step, "resumed_from": resumed_from, "preempted": preempted,
                 "loss": last.loss if last else None,
                 "tokens_per_s": last.tokens_per_s if last else None}
 
@@ -162,12 +170,16 @@ class TrainWorker:
         skip the data windows the policy marked; the step resumed from (0: none)."""
         hooks.phase(Phase.RESTORE)
         ckpt = hooks.checkpointer
+        started = time.perf_counter()
         restored = ckpt.restore(trainer, groups.world if groups else None, replicas.group,
                                 before_step=self.resume_before_step)
+        took = time.perf_counter() - started
         resumed_from = 0
-        if restored is not None:
+        if restored is None:
+            hooks.restored(None, 0.0, source="storage", seconds=took)
+        else:
             resumed_from = restored.step
-            hooks.restored(restored.step, _committed_at(ckpt, restored.step))
+            hooks.restored(restored.step, _committed_at(ckpt, restored.step), source="storage", seconds=took)
             if self.rank == 0:
                 print(f"resumed from the checkpoint of step {restored.step}", flush=True)
         if self.skip_steps:

@@ -13,7 +13,9 @@ everything around it, in the order it happens:
     after_step(m)      metrics (after the first step also the training state this rank holds,
                        by kind and layout), heartbeat progress, a checkpoint when one is due (in phase
                        "checkpoint", so a long blocking save is judged by the hard ceiling, not
-                       the step-sized hang timeout), then injected faults
+                       the step-sized hang timeout), injected faults, then a stop request: at the
+                       step every rank agreed on, save now, wait for the commit and raise
+                       `Preempted` (preemption.py)
 
 Built in the spirit of torchft's Manager: a small surface the training loop calls, rather
 than closures threaded through it.
@@ -29,6 +31,7 @@ from longrun.health.faults import FaultInjector
 from longrun.health.heartbeat import HeartbeatPublisher
 from longrun.kinds import Phase
 from longrun.observability.metrics import WorkerMetrics
+from longrun.worker.preemption import Preempted, PreemptionWatch
 
 if TYPE_CHECKING:
     from longrun.checkpoint import Checkpointer
@@ -38,9 +41,10 @@ if TYPE_CHECKING:
 
 class StepHooks:
     def __init__(self, beat: HeartbeatPublisher, metrics: WorkerMetrics,
-                 checkpointer: Checkpointer | None = None, faults: FaultInjector | None = None):
+                 checkpointer: Checkpointer | None = None, faults: FaultInjector | None = None,
+                 preemption: PreemptionWatch | None = None):
         self.beat, self.metrics = beat, metrics
-        self.checkpointer, self.faults = checkpointer, faults
+        self.checkpointer, self.faults, self.preemption = checkpointer, faults, preemption
         self.trainer: Trainer | None = None
         self.last: StepMetrics | None = None
         self._phase: str | None = None
@@ -82,6 +86,11 @@ class StepHooks:
         self._checkpoint(m.step)
         if self.faults is not None:
             self.faults.after_step(m.step)
+        if self.preemption is not None and self.preemption.stop_after(m.step):
+            self.phase(Phase.CHECKPOINT)
+            if self.checkpointer is not None:
+                self.checkpointer.save_now(self.trainer)
+            raise Preempted(m.step)
 
     def _checkpoint(self, step: int) -> None:
         ckpt = self.checkpointer
@@ -99,6 +108,10 @@ class StepHooks:
         if result.committed and result.error is None:
             self.metrics.checkpoint_committed(result.step, time.time())
 
-    def restored(self, step: int, committed_at: float) -> None:
+    def restored(self, step: int | None, committed_at: float, *, source: str, seconds: float) -> None:
+        """The attempt's restore: from `source`, `step` (None: nothing to resume from)."""
+        self.metrics.observe_restore(source, seconds)
+        if step is None:
+            return
         self.metrics.checkpoint_committed(step, committed_at)
         self.beat.update(step=step, resumed_from=step)
