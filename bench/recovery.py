@@ -19,7 +19,11 @@ Measured, from the wall time the fault fired (recorded by the faulting process j
             across the two; `vs_ray_train` is Ray Train's median over longrun's (kill).
   lost      the step at the fault minus the step training resumed from.
 longrun also runs the kill without warm spares (`RayLauncher(spares=False)`): every restart
-then starts fresh processes, which is what the spares save.
+then starts fresh processes, which is what the spares save. And, for the steps a fault costs,
+the kill with storage checkpoints every 8 steps (what a large model affords), with and without
+peer memory snapshots every step (`checkpoint.memory_interval_steps`; the other runs keep
+them off, so they measure what they measured before): without, the restart redoes the steps
+since the last checkpoint; with, only the step whose snapshot was still being sent.
 Ray Train runs with `FailureConfig(max_failures=1)` and a `train.report` with a checkpoint
 each step (rank files in one checkpoint directory). Its hang is only run in the full mode,
 with RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S=60 (its default, 600 s, would wait 10 minutes).
@@ -54,7 +58,7 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def job_dict(name: str, out: str, fault: str | None) -> dict:
+def job_dict(name: str, out: str, fault: str | None, *, interval: int = 1, memory: bool = False) -> dict:
     faults = [{"rank": 0, "step": 1, "kind": "slow", "seconds": STEP_PAD_S}]
     faults += [{"rank": 1, "step": FAULT_STEP, "kind": fault}] if fault else []
     return {
@@ -65,7 +69,8 @@ def job_dict(name: str, out: str, fault: str | None) -> dict:
         "data": {"source": "synthetic", "micro_batch_tokens": 128, "prefetch": 1,
                  "synthetic": {"min_len": 8, "max_len": 64, "mean": 24, "sigma": 0.8}},
         "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "log_every": 100},
-        "checkpoint": {"interval_steps": 1, "keep_last": 3},
+        "checkpoint": {"interval_steps": interval, "keep_last": 3,
+                       "memory_interval_steps": 1 if memory else 0},
         "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_min_s": 5.0,
                    "faults": faults},
         "recovery": {"restart_backoff_s": 0.0},
@@ -74,13 +79,16 @@ def job_dict(name: str, out: str, fault: str | None) -> dict:
 
 # -- longrun ---------------------------------------------------------------------------------
 
-def run_longrun(fault: str, redis_url: str, out: str, index: int, spares: bool = True) -> dict:
+def run_longrun(fault: str, redis_url: str, out: str, index: int, spares: bool = True, *,
+                interval: int = 1, memory: bool = False) -> dict:
     from longrun.config import config_from_dict
     from longrun.controller.controller import Controller, job_status
     from longrun.controller.workers import RayLauncher
     from longrun.services.redis_client import quick_client
 
-    cfg = config_from_dict(job_dict(f"bench-{fault}-{index}-{'warm' if spares else 'cold'}", out, fault))
+    tag = f"{'warm' if spares else 'cold'}-i{interval}{'-mem' if memory else ''}"
+    cfg = config_from_dict(job_dict(f"bench-{fault}-{index}-{tag}", out, fault, interval=interval,
+                                    memory=memory))
     started = time.time()
     def show(line: str) -> None:
         say(f"  longrun {time.time() - started:6.2f} s | {line}")
@@ -201,7 +209,8 @@ def run_all(reps: int, quick: bool) -> dict[str, dict[str, list[dict]]]:
     """Every run, by system and fault: longrun (with and without spares) and Ray Train."""
     from longrun.services import EmbeddedRedis
 
-    results: dict[str, dict[str, list[dict]]] = {"longrun": {}, "longrun_cold": {}, "ray_train": {}}
+    results: dict[str, dict[str, list[dict]]] = {"longrun": {}, "longrun_cold": {}, "ray_train": {},
+                                                  "sparse": {}, "sparse_memory": {}}
 
     def record(system: str, fault: str, label: str, fn, *args, **kwargs) -> None:
         say(label)
@@ -218,6 +227,12 @@ def run_all(reps: int, quick: bool) -> dict[str, dict[str, list[dict]]]:
                 if fault == "kill":  # what the warm spares buy: the same fault without them
                     record("longrun_cold", fault, f"rep {rep + 1}/{reps}: longrun without spares, {fault}",
                            run_longrun, fault, url, f"{tmp}/cold-{fault}-{rep}", rep, spares=False)
+                    # What memory snapshots buy: steps lost with storage every 8 steps.
+                    record("sparse", fault, f"rep {rep + 1}/{reps}: longrun, storage every 8 steps",
+                           run_longrun, fault, url, f"{tmp}/sparse-{rep}", rep, interval=8)
+                    record("sparse_memory", fault, f"rep {rep + 1}/{reps}: longrun, storage every 8 "
+                           "steps + memory snapshots", run_longrun, fault, url, f"{tmp}/mem-{rep}", rep,
+                           interval=8, memory=True)
                 if fault == "hang" and quick:
                     continue
                 record("ray_train", fault, f"rep {rep + 1}/{reps}: Ray Train, {fault}",
@@ -240,6 +255,12 @@ def print_table(results: dict[str, dict[str, list[dict]]]) -> None:
         if fault in rt:
             say(f"| {fault} | Ray Train | <= {median(rt[fault], 'detect_s'):.2f} | | "
                 f"{median(rt[fault], 'to_step_s'):.2f} | {median(rt[fault], 'steps_lost'):g} |")
+        for key, label in (("sparse", "longrun, storage every 8 steps"),
+                           ("sparse_memory", "longrun, storage every 8 steps + memory snapshots")):
+            if fault in results[key]:
+                runs = results[key][fault]
+                say(f"| {fault} | {label} | {median(runs, 'detect_s'):.2f} | {median(runs, 'recover_s'):.2f} "
+                    f"| {median(runs, 'to_step_s'):.2f} | {median(runs, 'steps_lost'):g} |")
 
 
 def summarize(results: dict[str, dict[str, list[dict]]], reps: int) -> dict:
@@ -255,6 +276,10 @@ def summarize(results: dict[str, dict[str, list[dict]]], reps: int) -> dict:
         "ray_train_recover_s": round(median(rt["kill"], "to_step_s"), 3),
         "ray_train_detect_kill_s_upper": round(median(rt["kill"], "detect_s"), 3),
         "vs_ray_train": round(median(rt["kill"], "to_step_s") / median(lr["kill"], "to_step_s"), 2),
+        "ray_train_steps_lost": max(r["steps_lost"] for r in rt["kill"]),
+        "steps_lost_storage_every_8": median(results["sparse"]["kill"], "steps_lost"),
+        "steps_lost_with_memory": median(results["sparse_memory"]["kill"], "steps_lost"),
+        "to_step_with_memory_s": round(median(results["sparse_memory"]["kill"], "to_step_s"), 3),
         "reps": reps,
     }
     if "hang" in rt:

@@ -64,6 +64,11 @@ def job_evicted_key(job: str) -> str:
     return f"{job_prefix(job)}evicted"
 
 
+def job_stop_key(job: str) -> str:
+    """"force" when an operator asked to stop without saving (`longrun stop --force`)."""
+    return f"{job_prefix(job)}stop"
+
+
 def heartbeat_key(job: str, attempt: int, rank: int) -> str:
     return f"{attempt_prefix(job, attempt)}hb:{rank}"
 

@@ -124,8 +124,37 @@ def logs(address: str, submission_id: str, *, follow: bool, write: Callable[[str
     asyncio.run(tail())
 
 
-def stop(address: str, submission_id: str) -> bool:
-    return client(address).stop_job(submission_id)
+def stop(address: str, submission_id: str, *, force: bool = False, redis_url: str | None = None,
+         env: Mapping[str, str] = os.environ) -> bool:
+    """Ask the job's controller to stop (Ray sends it SIGTERM): it saves at the next step
+    boundary and ends PREEMPTED. `force`: stop at once without saving, told through the job's
+    Redis record (its URL as for `status`), which the controller reads once asked to stop."""
+    jobs = client(address)
+    if force:
+        try:
+            meta = jobs.get_job_info(submission_id).metadata or {}
+        except RuntimeError as exc:
+            raise SubmitError(f"no job {submission_id!r} on {address}: {exc}") from exc
+        url, why = job_view.record_url(meta.get(REDIS_KEY), redis_url or env.get(job_view.URL_ENV), env)
+        if url is None or METADATA_KEY not in meta:
+            raise SubmitError(f"--force needs the job's Redis: {why}")
+        request_force_stop(url, meta[METADATA_KEY])
+    return jobs.stop_job(submission_id)
+
+
+def request_force_stop(redis_url: str, job: str) -> None:
+    """Mark `job` to stop without saving; its controller reads the mark once asked to stop."""
+    from longrun import keys
+    from longrun.services.redis_client import quick_client
+
+    redis = quick_client(redis_url)
+    try:
+        redis.set(keys.job_stop_key(job), "force", ex=24 * 3600)
+    except Exception as exc:
+        raise SubmitError(f"could not reach the job's Redis to force the stop: "
+                          f"{job_view.scrub(str(exc), redis_url)}") from exc
+    finally:
+        redis.close()
 
 
 def list_jobs(address: str) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Simulated multi-node Ray clusters for the controller tests (one process tree, loopback)."""
+"""Simulated multi-node Ray clusters for the controller tests (one process tree, loopback), and
+the weights a job on one committed."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def simulated_cluster(nodes: int, cpus_per_node: int) -> Iterator:
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def committed_weights(checkpoint_dir: str, step: int) -> dict:
+    """The full model weights of committed checkpoint `step` under `checkpoint_dir` (any layout)."""
+    import fsspec
+
+    from longrun.checkpoint.catalog import load_model_weights
+    from longrun.checkpoint.restore import read_manifest
+
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+    return load_model_weights(fs, root, step, read_manifest(fs, root, step))

@@ -43,6 +43,11 @@ def _full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def full_weights(trainer) -> dict:
+    """Every weight as a full (gathered) tensor, cloned."""
+    return {k: _full(v).detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
 def _trainer(cfg, groups):
     """A trainer at `cfg`'s layout over `groups` (device mesh where sharded, CP setup where CP)."""
     from longrun.trainer import Trainer
@@ -130,12 +135,9 @@ def resume_from_own_checkpoint(rank: int, world: int, init_file: str, results, p
                                 dp_size=replicas.size, shard=replicas.shard,
                                 ledger=RedisCommitLedger(client, job, attempt))
 
-        def weights(trainer):
-            return {k: _full(v).detach().clone() for k, v in trainer.model.state_dict().items()}
-
         with _trainer(cfg, groups) as straight:
             straight.train()
-            want = weights(straight)
+            want = full_weights(straight)
         with _trainer(cfg, groups) as first:
             ckpt = checkpointer(0)
             first.before_update.append(ckpt.before_update)
@@ -158,7 +160,7 @@ def resume_from_own_checkpoint(rank: int, world: int, init_file: str, results, p
             restored = ckpt.restore(second, world_group=dist.group.WORLD, dp_group=replicas.group)
             second.before_update.append(ckpt.before_update)
             second.train(on_step=ckpt.on_step(second))
-            got = weights(second)
+            got = full_weights(second)
             ckpt.close()
         bitwise = all(torch.equal(got[k], want[k]) for k in want)
         if rank == 0:  # the whole weights, for the test to compare an export of the pieces with
@@ -192,6 +194,42 @@ def calibrated_then_loaded(rank: int, world: int, init_file: str, results, paral
                 out.append(({k: _full(v).detach().clone() for k, v in t.model.state_dict().items()}, cost))
         same = all(torch.equal(out[0][0][k], out[1][0][k]) for k in out[0][0])
         results.put((rank, same, out[0][1] == out[1][1]))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def resume_from_memory_snapshot(rank: int, world: int, init_file: str, results, parallelism: dict) -> None:
+    """Peer memory snapshots of sharded state: 4 steps straight; then 2 steps, a snapshot of
+    step 2 (this rank's pieces) through a keeper, a fresh trainer restored from it, 2 more: the
+    weights equal the straight run's, bit for bit."""
+    try:
+        dist = _join(rank, world, init_file)
+        import torch
+
+        from longrun.checkpoint.memory import MemorySnapshots, read_snapshot
+        from longrun.checkpoint.sharding import globalize
+        from longrun.commgroup import form_groups, single_node_layout
+        from longrun.controller.keepers import SnapshotKeeper
+
+        cfg = layout_config(parallelism, world)
+        groups = form_groups(single_node_layout(cfg.dims), rank)
+        keeper = SnapshotKeeper()
+
+        with _trainer(cfg, groups) as straight:
+            straight.train()
+            want = full_weights(straight)
+        with _trainer(cfg, groups) as first:
+            snaps = MemorySnapshots(lambda step, blob, digest: keeper.put(rank, step, blob, digest), every=1)
+            first.before_update.append(snaps.before_update)
+            first.train(steps=2, on_step=lambda m: snaps.take(first) and snaps.wait())
+            snaps.wait()
+        with _trainer(cfg, groups) as second:
+            state = read_snapshot(*keeper.get(rank, 2))
+            second.load_state_dict(globalize(state, second.state_dict()))
+            second.train()
+            got = full_weights(second)
+        results.put((rank, all(torch.equal(got[k], want[k]) for k in want)))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))

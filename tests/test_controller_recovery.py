@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from clusters import simulated_cluster
+from clusters import committed_weights, simulated_cluster
 
 from longrun.config import config_from_dict
 from longrun.controller.controller import Controller, JobFailed, job_status
@@ -35,11 +35,6 @@ def job(name: str, tmp_path, faults=(), **recovery):
     })
 
 
-def final_weights(cfg) -> dict[str, torch.Tensor]:
-    path = os.path.join(cfg.checkpoint_dir, f"step-{STEPS:08d}", "model-00000.pt")
-    return torch.load(path, weights_only=True)["model"]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     with simulated_cluster(3, 2) as (c, _):
@@ -51,7 +46,7 @@ def reference(cluster, redis_server, tmp_path_factory):
     cfg = job("reference", tmp_path_factory.mktemp("ref"))
     summary = Controller(cfg, redis_server.url).run()
     assert summary["step"] == STEPS and summary["restarts"] == 0
-    return final_weights(cfg)
+    return committed_weights(cfg.checkpoint_dir, STEPS)
 
 
 def _assert_same_weights(got, want):
@@ -69,7 +64,7 @@ def test_a_lost_worker_is_replaced_and_nothing_committed_is_lost(kind, rank, clu
     assert summary["step"] == STEPS
     assert summary["restarts"] == 1 and summary["attempt"] == 1
     assert summary["resumed_from"] == 2  # the newest checkpoint committed before the fault
-    _assert_same_weights(final_weights(cfg), reference)
+    _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     status = job_status(redis_client, cfg.job.name, events=100)
     assert status["state"] == "SUCCEEDED" and status["attempt"] == 1
     faults = [e for e in status["events"] if e["type"] == "fault"]
@@ -94,7 +89,7 @@ def test_nan_restarts_from_the_checkpoint_before_it(cluster, reference, redis_se
     cfg = job("fault-nan", tmp_path, faults=[{"rank": 1, "step": 3, "kind": "nan"}])
     summary = Controller(cfg, redis_server.url).run()
     assert summary["step"] == STEPS and summary["restarts"] == 1 and summary["resumed_from"] == 2
-    _assert_same_weights(final_weights(cfg), reference)
+    _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     faults = [e for e in job_status(redis_client, cfg.job.name, events=100)["events"]
               if e["type"] == "fault"]
     # Seen by the monitor (heartbeats: after step 3) and by Ray (the step-4 exception).
@@ -136,7 +131,7 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
         first.wait()
     summary = Controller(cfg, redis_server.url).run()
     assert summary["step"] == STEPS and summary["attempt"] >= 1 and summary["resumed_from"] >= 4
-    _assert_same_weights(final_weights(cfg), reference)
+    _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     events = job_status(redis_client, cfg.job.name, events=100)["events"]
     assert any(e["type"] == "resume" for e in events), events
 
@@ -163,7 +158,7 @@ def test_a_removed_node_is_replaced_by_the_spare(cluster, reference, redis_serve
     assert result["step"] == STEPS and result["restarts"] >= 1
     final_nodes = json.loads(JobRecordStore(redis_client, cfg.job.name).read().fields["nodes"])
     assert victim not in final_nodes
-    _assert_same_weights(final_weights(cfg), reference)
+    _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     # Ray's word that the node died makes the node the cause (not its ranks' deaths), once.
     restarts = JobRecordStore(redis_client, cfg.job.name).restarts()
     assert (restarts[0]["cause"], restarts[0]["node"]) == ("node_lost", victim), restarts
@@ -244,7 +239,7 @@ def test_a_redis_restart_mid_run_is_ridden_out_without_a_false_fault(cluster, re
         thread.join(600)
         assert not thread.is_alive() and not errors, errors
         assert result["step"] == STEPS and result["restarts"] == 0 and result["attempt"] == 0
-        _assert_same_weights(final_weights(cfg), reference)
+        _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
         client = server.client()
         events = job_status(client, cfg.job.name, events=200)["events"]
         client.close()
@@ -286,7 +281,7 @@ def test_chaos_random_faults_until_the_end_lose_nothing(cluster, reference, redi
         raise AssertionError(f"{exc}; {replay}") from exc
     assert summary["step"] == STEPS, replay
     assert summary["restarts"] == count and summary["attempt"] == count, replay
-    _assert_same_weights(final_weights(cfg), reference)
+    _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     events = job_status(redis_client, cfg.job.name, events=1000)["events"]
     injected = [e for e in events if e["type"] == "fault_injected"]
     assert [e["attempt"] for e in injected] == list(range(count)), replay

@@ -104,3 +104,21 @@ def test_a_drained_node_preempts_the_job(rig, redis_client):
     assert c.step() is JobState.PREEMPTING  # ... and acted on in the next step
     assert "Ray is draining node(s) node-b" in c.machine.history[-1].reason
     assert redis_client.get(keys.preempt_key(cfg.job.name, 0)) == b"now"
+
+
+def test_a_forced_stop_kills_at_once_without_saving(rig, redis_server, redis_client):
+    from longrun.submit import request_force_stop
+
+    make, launcher, *_ = rig
+    cfg = job("preempt-force")
+    c = make(cfg)
+    drive_to_running(c)
+    c.request_preemption("SIGTERM received")
+    assert c.step() is JobState.PREEMPTING  # saving ...
+    request_force_stop(redis_server.url, cfg.job.name)  # ... when the operator insists
+    assert c.step() is JobState.STOPPED and launcher.groups[0].stopped
+    assert c.summary["stopped"] and "nothing saved" in c.summary["reason"]
+    # The mark does not outlive the run: the next run of the job starts clean.
+    again = make(cfg)
+    assert again.step() is JobState.PLACING
+    assert not redis_client.exists(keys.job_stop_key(cfg.job.name))

@@ -8,13 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 
-import fsspec
 import pytest
 import torch
-from clusters import simulated_cluster
+from clusters import committed_weights, simulated_cluster
 
-from longrun.checkpoint.catalog import load_model_weights
-from longrun.checkpoint.restore import read_manifest
 from longrun.config import config_from_dict, load_config
 from longrun.config.runnable import check_runnable
 from longrun.controller.controller import Controller, job_status
@@ -43,16 +40,12 @@ def job(name: str, layout: str, out, faults=()):
                  "synthetic": {"min_len": 8, "max_len": 128, "mean": 40, "sigma": 0.8}},
         "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "log_every": 100,
                      "activation_checkpointing": "selective"},
-        "checkpoint": {"interval_steps": 2, "keep_last": 10},
+        # Storage only: this is the checkpoint path's test (memory snapshots: test_memory_snapshots).
+        "checkpoint": {"interval_steps": 2, "keep_last": 10, "memory_interval_steps": 0},
         "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 90,
                    "hang_min_s": 20, "faults": list(faults)},
         "recovery": {"restart_backoff_s": 0.0},
     })
-
-
-def final_weights(cfg) -> dict[str, torch.Tensor]:
-    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
-    return load_model_weights(fs, root, STEPS, read_manifest(fs, root, STEPS))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +74,8 @@ def test_a_sharded_job_recovers_from_a_sigkill_bitwise(layout, cluster, redis_se
         shutil.copytree(calibration, os.path.join(faulty.run_dir, "cp-calibration"))
     summary = Controller(faulty, redis_server.url).run()
     assert summary["step"] == STEPS and summary["restarts"] == 1 and summary["resumed_from"] == 2
-    got, want = final_weights(faulty), final_weights(reference)
+    got = committed_weights(faulty.checkpoint_dir, STEPS)
+    want = committed_weights(reference.checkpoint_dir, STEPS)
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"

@@ -85,3 +85,9 @@ def test_a_corrupted_piece_falls_back_to_the_previous_checkpoint(tmp_path, redis
     out = run_world(w.resume_from_own_checkpoint, 4, tmp_path,
                     args=({"fsdp": 2, "tp": 2}, redis_server.url, str(tmp_path / "ckpt"), "corrupt", True))
     assert [(rank, step, bitwise) for rank, step, bitwise, *_ in out] == [(r, 2, True) for r in range(4)]
+
+
+def test_a_sharded_layout_resumes_bitwise_from_memory_snapshots(tmp_path):
+    """TP 2 x FSDP 2: each rank's snapshot holds its own pieces, and they go back where they were."""
+    out = run_world(w.resume_from_memory_snapshot, 4, tmp_path, args=({"fsdp": 2, "tp": 2},))
+    assert out == [(rank, True) for rank in range(4)]

@@ -91,7 +91,8 @@ def load_shard(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str,
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
-def _all_ok(ok: bool, group: dist.ProcessGroup | None) -> bool:
+def all_ranks_ok(ok: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of `group` says ok (one all-reduce; `ok` itself without a group)."""
     if group is None:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -165,7 +166,7 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
             problem = str(exc)
         except Exception as exc:  # an unpickling error, an I/O error: this step is unusable
             problem = f"{type(exc).__name__}: {exc}"
-        if not _all_ok(problem is None, world_group):
+        if not all_ranks_ok(problem is None, world_group):
             reason = problem or "another rank could not read or verify its shards"
             log.warning("checkpoint step %d is unusable (%s); falling back to an older one", step, reason)
             skipped.append((step, reason))

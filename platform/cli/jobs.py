@@ -34,6 +34,12 @@ def add_parsers(sub) -> None:
         p.set_defaults(func=func)
     sub.choices["logs"].add_argument("--follow", "-f", action="store_true",
                                      help="keep streaming until the job ends")
+    sub.choices["stop"].add_argument(
+        "--force", action="store_true",
+        help="stop at once without saving (default: every worker saves at the next step boundary "
+        "and the job ends PREEMPTED); needs the job's Redis, found as for status")
+    sub.choices["stop"].add_argument("--redis-url", default=None, metavar="URL",
+                                     help="the job's Redis, for --force (as for status)")
     sub.choices["status"].add_argument(
         "--redis-url", default=None, metavar="URL",
         help="read the job record from this Redis (default: $LONGRUN_REDIS_URL, else the one the job's "
@@ -97,7 +103,7 @@ def cmd_logs(args) -> int:
 def cmd_stop(args) -> int:
     from longrun import submit
 
-    stopped = submit.stop(address(args), args.id)
+    stopped = submit.stop(address(args), args.id, force=args.force, redis_url=args.redis_url)
     out.print(f"{args.id}: {'stop requested' if stopped else 'already ended'}", highlight=False)
     return 0
 

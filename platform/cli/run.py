@@ -39,6 +39,9 @@ def cmd_run(args) -> int:
                   f"{cfg.dims.layout_name}, {cfg.training.steps} steps; resolved config in "
                   f"{run_dir / 'config.yaml'}")
     summary = _run_with_services(cfg)
+    if summary.get("stopped"):
+        console.print(f"[yellow]stopped[/]: {escape(summary['reason'])}", highlight=False)
+        return 130
     if summary.get("preempted"):
         from longrun.controller.driver import EXIT_PREEMPTED
 

@@ -186,6 +186,10 @@ class TrainingSection(Section):
 class CheckpointSection(Section):
     dir: str | None = Field(None, description="fsspec URL; null = <output_dir>/<job>/checkpoints.")
     interval_steps: PositiveInt = 50
+    memory_interval_steps: NonNegativeInt | None = Field(
+        None, description="Peer memory snapshots (controller jobs): every this many steps each rank's "
+        "state is also kept in host memory on its node and the next one, so a restart after a fault "
+        "loses no step. null: every step when a snapshot fits in the node's spare memory; 0: off.")
     keep_last: PositiveInt = Field(3, description="Committed checkpoints kept (the newest is never deleted).")
     async_save: bool = Field(True, description="Write in the background; false waits for each commit.")
     when_busy: Literal["wait", "skip"] = Field(

@@ -139,7 +139,7 @@ class Controller:
             self._release()
         if self.machine.state is JobState.FAILED:
             raise JobFailed(self.failure)
-        assert self.summary is not None  # SUCCEEDED or PREEMPTED
+        assert self.summary is not None  # SUCCEEDED, PREEMPTED, or STOPPED on request
         return self.summary
 
     def request_preemption(self, reason: str) -> None:
@@ -151,9 +151,13 @@ class Controller:
     def step(self) -> JobState:
         """Do the current state's work once; the state it led to."""
         state = self.machine.state
-        if self.stop_request is not None and state is not JobState.PREEMPTING and not state.terminal:
-            self._preempt()
-            return self.machine.state
+        if self.stop_request is not None and not state.terminal:
+            if self._forced():
+                self._stop_now()
+                return self.machine.state
+            if state is not JobState.PREEMPTING:
+                self._preempt()
+                return self.machine.state
         handler = {
             JobState.PENDING: self._on_pending,
             JobState.PLACING: self._on_placing,
@@ -170,6 +174,7 @@ class Controller:
     # -- one handler per state -----------------------------------------------------------------
     def _on_pending(self) -> None:
         self._resume_point()
+        self.client.delete(keys.job_stop_key(self.cfg.job.name))  # a mark of an earlier run
         self.record.update(steps=self.cfg.training.steps, world_size=self.cfg.world_size)
         problem = checkpoint_problem(self.cfg)
         if problem is not None:
@@ -273,6 +278,20 @@ class Controller:
         self._preempt_deadline = self.clock() + self.cfg.recovery.preemption_grace_s
         self._move(JobState.PREEMPTING, f"{reason}; saving a checkpoint at the next step boundary "
                    f"(within {self.cfg.recovery.preemption_grace_s:g} s)")
+
+    def _forced(self) -> bool:
+        """Whether an operator asked to stop without saving (`longrun stop --force`)."""
+        try:
+            return self.watch_client.get(keys.job_stop_key(self.cfg.job.name)) == b"force"
+        except redis.RedisError:
+            return False
+
+    def _stop_now(self) -> None:
+        reason = "stopped at once on request (longrun stop --force): nothing saved since the newest " \
+                 "committed checkpoint, which running the job again resumes from"
+        self._end_attempt()
+        self._move(JobState.STOPPED, reason)
+        self.summary = {"stopped": True, "reason": reason, "attempt": self.attempt.number}
 
     def _preempted(self, reason: str, summary: dict[str, Any] | None = None) -> None:
         self._end_attempt()

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import RayError
 
 from longrun.config import JobConfig
+from longrun.controller.keepers import Keepers, keeper_targets, newest_committed_step
 from longrun.controller.outcomes import (
     RankEnded,
     dead_nodes,
@@ -173,6 +174,7 @@ class RayLauncher:
     def __init__(self, spares: bool = True):
         self.spares_enabled = spares
         self.placement: Placement | None = None
+        self.keepers: Keepers | None = None  # peer memory snapshots' keepers, across attempts
         self._spares: list[Any] = []
         self._warming: list[Any] = []  # warm() refs of the spares
         self._cfg: JobConfig | None = None
@@ -182,7 +184,7 @@ class RayLauncher:
                  resume_before_step: int | None, timeout_s: float,
                  skip_steps: Sequence[tuple[int, int]] = ()) -> RayWorkerGroup:
         if self.placement is not None and not self._reusable(set(evicted)):
-            self.release()
+            self._release_placement()
         if self.placement is None:
             self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
                                    name=f"longrun-{cfg.job.name}-a{attempt}")
@@ -190,15 +192,17 @@ class RayLauncher:
         actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
                                          for rank in range(cfg.world_size)]
         config = cfg.model_dump(mode="json")
+        snapshots = self._snapshot_plans(cfg, resume_before_step)
         try:
             ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
-                                     resume_before_step, list(skip_steps)) for rank, a in enumerate(actors)],
-                    timeout=timeout_s)
+                                     resume_before_step, list(skip_steps), snapshots[rank])
+                     for rank, a in enumerate(actors)], timeout=timeout_s)
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
-            # A spare that died after warming, or a worker that never came up: start over clean.
+            # A spare that died after warming, or a worker that never came up: start over clean
+            # (the snapshot keepers stay: they hold what the next try restores from).
             for actor in actors:
                 ray.kill(actor, no_restart=True)
-            self.release()
+            self._release_placement()
             raise LaunchFailed(f"attempt {attempt}'s workers did not start: {last_line(exc)[:300]}",
                                kind=fault_kind_of(unwrap(exc))) from exc
         return RayWorkerGroup(self.placement, actors)
@@ -217,7 +221,33 @@ class RayLauncher:
                         for rank in range(self._cfg.world_size)]
         self._warming = [s.warm.remote() for s in self._spares]
 
+    def _snapshot_plans(self, cfg: JobConfig, resume_before_step: int | None) -> list[dict | None]:
+        """Per rank, what assume() needs for peer memory snapshots (None each when off): the
+        keepers to send to, and the snapshot to restore from when one is newer than the newest
+        committed checkpoint."""
+        if cfg.checkpoint.memory_interval_steps == 0:
+            return [None] * cfg.world_size
+        nodes = self.placement.node_ids
+        if self.keepers is None:
+            self.keepers = Keepers(cfg.job.name)
+        try:
+            self.keepers.ensure(nodes)
+            restore = self.keepers.plan(cfg.world_size, newer_than=newest_committed_step(cfg),
+                                        before_step=resume_before_step)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:  # a shortcut: never a reason to fail
+            log.warning("memory snapshots off for this attempt: their keepers did not start (%s)", exc)
+            return [None] * cfg.world_size
+        return [{"targets": keeper_targets(nodes, rank, cfg.cluster.workers_per_node, cfg.job.name),
+                 "restore": restore.to_dict() if restore else None} for rank in range(cfg.world_size)]
+
     def release(self) -> None:
+        """Everything this launcher holds: the placement, the spares, the snapshot keepers."""
+        self._release_placement()
+        if self.keepers is not None:
+            self.keepers.close()
+            self.keepers = None
+
+    def _release_placement(self) -> None:
         for spare in self._spares:
             ray.kill(spare, no_restart=True)
         self._spares, self._warming = [], []

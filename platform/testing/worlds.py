@@ -110,6 +110,13 @@ def _rank_main(target: Callable, rank: int, size: int, init_file: str, conn: Con
         raise SystemExit(1) from None
     finally:
         conn.close()
+    # Done, and everything it sent is through the pipe: skip interpreter finalization. With
+    # DDP's asynchronous work still referenced, gloo's threads can outlive the interpreter and
+    # abort the process at exit ("terminate called without an active exception"; a known race,
+    # pytorch/pytorch#179291), which would read as a rank that died after its results.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass

@@ -48,14 +48,20 @@ class TrainWorker:
         import longrun.health.faults
         import longrun.trainer
         import longrun.worker.hooks
-        import longrun.worker.setup  # noqa: F401
+        import longrun.worker.setup
+        import longrun.worker.snapshots  # noqa: F401
 
         return time.perf_counter() - start
 
     def assume(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
                node_ids: list[str] | None = None, resume_before_step: int | None = None,
-               skip_steps: list[tuple[int, int]] | None = None) -> None:
+               skip_steps: list[tuple[int, int]] | None = None,
+               snapshots: dict[str, Any] | None = None) -> None:
+        """`snapshots`: peer memory snapshots, from the controller (controller/keepers.py):
+        the keepers to send to ("targets") and, after a fault, where to restore from
+        ("restore": the step and each rank's keeper); None: off."""
         self.cfg = JobConfig.model_validate(config)
+        self.snapshots = snapshots
         self.rank = rank
         self.attempt = attempt
         self.redis_url = redis_url
@@ -148,6 +154,10 @@ class TrainWorker:
             hooks.faults = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model,
                                          on_fire=self._record_fault(ledger_client), on_phase=hooks.phase)
             hooks.preemption = PreemptionWatch(client, cfg.job.name, self.attempt)
+            if self.snapshots is not None:
+                from longrun.worker.snapshots import memory_snapshots
+
+                hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots)  # None: unreachable
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
             preempted = False
@@ -166,13 +176,26 @@ class TrainWorker:
                 "tokens_per_s": last.tokens_per_s if last else None}
 
     def _restore(self, trainer, hooks, groups, replicas) -> int:
-        """Resume from the newest committed checkpoint (before the policy's step, if any) and
-        skip the data windows the policy marked; the step resumed from (0: none)."""
+        """Resume from the peers' memory when the controller found a snapshot newer than the
+        newest committed checkpoint, else from that checkpoint (before the policy's step, if
+        any); skip the data windows the policy marked. The step resumed from (0: none)."""
         hooks.phase(Phase.RESTORE)
         ckpt = hooks.checkpointer
+        world = groups.world if groups else None
         started = time.perf_counter()
-        restored = ckpt.restore(trainer, groups.world if groups else None, replicas.group,
-                                before_step=self.resume_before_step)
+        plan = (self.snapshots or {}).get("restore")
+        if plan is not None:
+            from longrun.worker.snapshots import restore_from_memory
+
+            step = restore_from_memory(trainer, self.rank, plan, world)
+            if step is not None:
+                hooks.restored(step, time.time(), source="memory", seconds=time.perf_counter() - started)
+                if self.rank == 0:
+                    print(f"resumed from the memory snapshot of step {step}", flush=True)
+                self._skip_windows(trainer)
+                return step
+            started = time.perf_counter()
+        restored = ckpt.restore(trainer, world, replicas.group, before_step=self.resume_before_step)
         took = time.perf_counter() - started
         resumed_from = 0
         if restored is None:
@@ -182,13 +205,16 @@ class TrainWorker:
             hooks.restored(restored.step, _committed_at(ckpt, restored.step), source="storage", seconds=took)
             if self.rank == 0:
                 print(f"resumed from the checkpoint of step {restored.step}", flush=True)
+        self._skip_windows(trainer)
+        return resumed_from
+
+    def _skip_windows(self, trainer) -> None:
         if self.skip_steps:
             trainer.skip_steps = frozenset(s for first, last in self.skip_steps
                                            for s in range(first, last + 1))
             if self.rank == 0:
                 windows = ", ".join(f"{a}-{b}" for a, b in self.skip_steps)
                 print(f"skipping the data of steps {windows} (repeated loss spikes)", flush=True)
-        return resumed_from
 
     def _record_fault(self, client):
         """An injected fault goes into the job's event log before it fires (with its wall time)."""

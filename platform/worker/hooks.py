@@ -13,7 +13,8 @@ everything around it, in the order it happens:
     after_step(m)      metrics (after the first step also the training state this rank holds,
                        by kind and layout), heartbeat progress, a checkpoint when one is due (in phase
                        "checkpoint", so a long blocking save is judged by the hard ceiling, not
-                       the step-sized hang timeout), injected faults, then a stop request: at the
+                       the step-sized hang timeout), a peer memory snapshot when one is due,
+                       injected faults, then a stop request: at the
                        step every rank agreed on, save now, wait for the commit and raise
                        `Preempted` (preemption.py)
 
@@ -35,6 +36,7 @@ from longrun.worker.preemption import Preempted, PreemptionWatch
 
 if TYPE_CHECKING:
     from longrun.checkpoint import Checkpointer
+    from longrun.checkpoint.memory import MemorySnapshots
     from longrun.checkpoint.writer import SaveResult
     from longrun.trainer import StepMetrics, Trainer
 
@@ -45,6 +47,7 @@ class StepHooks:
                  preemption: PreemptionWatch | None = None):
         self.beat, self.metrics = beat, metrics
         self.checkpointer, self.faults, self.preemption = checkpointer, faults, preemption
+        self.snapshots: MemorySnapshots | None = None  # peer memory snapshots, when on
         self.trainer: Trainer | None = None
         self.last: StepMetrics | None = None
         self._phase: str | None = None
@@ -68,6 +71,8 @@ class StepHooks:
     def before_update(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.before_update()
+        if self.snapshots is not None:
+            self.snapshots.before_update()
 
     def after_step(self, m: StepMetrics) -> None:
         first = self.last is None
@@ -84,6 +89,8 @@ class StepHooks:
                          step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
                          memory_bytes=m.memory_bytes)
         self._checkpoint(m.step)
+        if self.snapshots is not None and self.snapshots.due(m.step):
+            self.snapshots.take(self.trainer)  # a host copy; sent to the keepers in the background
         if self.faults is not None:
             self.faults.after_step(m.step)
         if self.preemption is not None and self.preemption.stop_after(m.step):

@@ -1,0 +1,135 @@
+"""Where memory snapshots live: one keeper actor per node, outliving the attempts.
+
+Each rank sends every snapshot to two keepers: its own node's and the next node's in ring order
+over the job's nodes, so a node that is lost (with its keeper) leaves a copy of each of its
+ranks' state behind. A keeper holds the newest two steps of every rank it was sent; two, so the
+newest complete one survives while the next is being sent.
+
+After a fault, `Keepers.plan` picks the newest step every rank has a snapshot of on a live
+keeper (only a step every rank finished counts) and says where each rank reads it; the workers
+verify it (SHA-256) and fall back to storage together if any rank cannot (checkpoint/memory.py,
+worker/actor.py). Keepers are the controller's actors: they go when it goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from longrun.checkpoint.layout import committed_steps
+from longrun.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+KEEP_STEPS = 2  # per rank: the newest complete snapshot survives while the next is sent
+
+
+class SnapshotKeeper:
+    """Plain class; `Keepers` makes it a Ray actor pinned to one node."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, dict[int, tuple[bytes, str]]] = {}  # rank -> step -> (blob, digest)
+
+    def put(self, rank: int, step: int, blob: bytes, digest: str) -> None:
+        steps = self._held.setdefault(rank, {})
+        steps[step] = (blob, digest)
+        for old in sorted(steps)[:-KEEP_STEPS]:
+            del steps[old]
+
+    def get(self, rank: int, step: int) -> tuple[bytes, str]:
+        return self._held[rank][step]
+
+    def holdings(self) -> dict[int, list[int]]:
+        """rank -> the steps held for it."""
+        return {rank: sorted(steps) for rank, steps in self._held.items()}
+
+    def nbytes(self) -> int:
+        return sum(len(blob) for steps in self._held.values() for blob, _ in steps.values())
+
+
+@dataclass(frozen=True)
+class MemoryRestore:
+    step: int
+    keepers: dict[int, str]  # rank -> the name of a keeper holding its snapshot of `step`
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "keepers": {str(r): n for r, n in self.keepers.items()}}
+
+
+def newest_committed_step(cfg: JobConfig) -> int:
+    """The newest committed checkpoint's step under cfg.checkpoint_dir (0: none): a memory
+    snapshot is used only when it is newer."""
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    try:
+        steps = committed_steps(fs, root.rstrip("/"))
+    except OSError:
+        return 0
+    return steps[-1] if steps else 0
+
+
+def keeper_targets(node_ids: Sequence[str], rank: int, per_node: int, job: str) -> list[str]:
+    """The keepers rank `rank` sends its snapshots to: its node's and the next node's."""
+    index = rank // per_node
+    nodes = [node_ids[index], node_ids[(index + 1) % len(node_ids)]]
+    return list(dict.fromkeys(keeper_name(job, n) for n in nodes))  # one node: one keeper
+
+
+def keeper_name(job: str, node_id: str) -> str:
+    return f"longrun-{job}-keeper-{node_id[:16]}"
+
+
+class Keepers:
+    """The controller's side: one keeper per node the job has used, created on demand."""
+
+    def __init__(self, job: str):
+        self.job = job
+        self._actors: dict[str, Any] = {}  # node id -> keeper
+
+    def ensure(self, node_ids: Iterable[str], timeout_s: float = 60.0) -> None:
+        """A live keeper on each of `node_ids`, ready (its name resolvable) before any worker
+        looks it up."""
+        cls = ray.remote(num_cpus=0, max_restarts=0)(SnapshotKeeper)
+        started = {}
+        for node in node_ids:
+            if node not in self._actors:
+                started[node] = cls.options(
+                    name=keeper_name(self.job, node),
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        ray.get([actor.holdings.remote() for actor in started.values()], timeout=timeout_s)
+        self._actors.update(started)
+
+    def plan(self, world_size: int, *, newer_than: int, before_step: int | None,
+             timeout_s: float = 10.0) -> MemoryRestore | None:
+        """The newest step every rank has a snapshot of on a live keeper, if newer than
+        `newer_than` (the newest committed checkpoint) and below `before_step` (a restore the
+        policy wants from before a bad step); None otherwise. Keepers that died (with their
+        node) are dropped."""
+        held: dict[int, dict[int, str]] = {}  # step -> rank -> keeper name
+        for node, actor in list(self._actors.items()):
+            try:
+                holdings = ray.get(actor.holdings.remote(), timeout=timeout_s)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("snapshot keeper on node %s is gone (%s)", node[:12], exc)
+                del self._actors[node]
+                continue
+            for rank, steps in holdings.items():
+                for step in steps:
+                    held.setdefault(step, {}).setdefault(rank, keeper_name(self.job, node))
+        usable = [s for s, ranks in held.items() if len(ranks) == world_size and s > newer_than
+                  and (before_step is None or s < before_step)]
+        if not usable:
+            return None
+        step = max(usable)
+        return MemoryRestore(step, dict(sorted(held[step].items())))
+
+    def close(self) -> None:
+        for actor in self._actors.values():
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()

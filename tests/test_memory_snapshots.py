@@ -1,0 +1,202 @@
+"""Peer memory snapshots on a simulated 3-node Ray cluster with a real Redis (job on 2 nodes of
+2 workers, one spare node): a worker SIGKILLed by pid from outside, another SIGSTOPped, and a
+removed node each restart from the peers' memory with 0 steps lost (the event log says so),
+ending bitwise equal to an uninterrupted run; a corrupted snapshot sends every rank to storage."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+from clusters import committed_weights, simulated_cluster
+
+from longrun.checkpoint.memory import read_snapshot, serialize
+from longrun.config import config_from_dict
+from longrun.controller.controller import Controller, job_status
+from longrun.controller.job_state import JobRecordStore
+from longrun.controller.keepers import KEEP_STEPS, SnapshotKeeper, keeper_name
+
+STEPS = 14
+
+
+def job(name: str, out, **checkpoint):
+    return config_from_dict({
+        "job": {"name": name, "seed": 7, "output_dir": str(out)},
+        "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
+        "parallelism": {"dp": 4},
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
+        "data": {"source": "synthetic", "micro_batch_tokens": 128, "prefetch": 1,
+                 "synthetic": {"min_len": 8, "max_len": 64, "mean": 24, "sigma": 0.8}},
+        # Slow enough steps that a fault from outside lands inside one, not between two.
+        "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "log_every": 100},
+        # Storage only at the end: anything restored mid-run came from memory.
+        "checkpoint": {"interval_steps": 100, "keep_last": 10, "memory_interval_steps": 1} | checkpoint,
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 60,
+                   "hang_min_s": 5, "faults": [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.6}]},
+        "recovery": {"restart_backoff_s": 3.0},
+    })
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster(3, 2) as (c, _):
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, redis_server, tmp_path_factory):
+    cfg = job("mem-reference", tmp_path_factory.mktemp("ref"))
+    summary = Controller(cfg, redis_server.url).run()
+    assert summary["step"] == STEPS and summary["restarts"] == 0
+    return committed_weights(cfg.checkpoint_dir, STEPS)
+
+
+def run_in_thread(cfg, redis_url):
+    result: dict = {}
+    controller = Controller(cfg, redis_url)
+    thread = threading.Thread(target=lambda: result.update(controller.run()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_for(redis_client, job: str, *, step: int | None = None, state: str | None = None,
+             timeout: float = 300):
+    store, deadline = JobRecordStore(redis_client, job), time.monotonic() + timeout
+    while True:
+        record = store.read()
+        if record is not None and (step is None or record.step >= step) and (
+                state is None or record.state == state):
+            return record
+        assert time.monotonic() < deadline, f"{job} never reached step {step} / state {state}"
+        time.sleep(0.05)  # polling the job record another process writes
+
+
+def newest_snapshot(job: str, nodes: list[str]) -> int:
+    """The newest step the keepers of `nodes` hold for every rank (0: none)."""
+    held: dict[int, set[int]] = {}
+    for node in nodes:
+        with contextlib.suppress(ValueError):  # a keeper not there (yet, or any more)
+            keeper = ray.get_actor(keeper_name(job, node))
+            for rank, steps in ray.get(keeper.holdings.remote()).items():
+                for step in steps:
+                    held.setdefault(step, set()).add(rank)
+    return max((s for s, ranks in held.items() if len(ranks) == 4), default=0)
+
+
+def right_after_a_snapshot(redis_client, job: str) -> list[str]:
+    """Wait until the job is past step 6 and every rank's snapshot of a new step has just
+    landed: a fault now hits the step after it, with nothing of that one finished. The nodes."""
+    record = wait_for(redis_client, job, step=6)
+    nodes = json.loads(record.fields["nodes"])
+    seen = newest_snapshot(job, nodes)
+    deadline = time.monotonic() + 60
+    while newest_snapshot(job, nodes) <= seen:
+        assert time.monotonic() < deadline, "no new snapshot in a minute"
+    return nodes
+
+
+def training_workers() -> list[psutil.Process]:
+    """Worker processes now training (Ray titles them after the task they run), newest first:
+    the current job's, not the last job's still exiting."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        cmdline = p.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith("ray::TrainWorker.run") and p.is_running():
+            found.append(p)
+    return sorted(found, key=lambda p: p.info["create_time"], reverse=True)
+
+
+def signal_a_worker(sig: int) -> psutil.Process:
+    for victim in training_workers():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.send_signal(sig)
+            return victim
+    raise AssertionError("no training worker to signal")
+
+
+def assert_zero_lost_and_bitwise(cfg, result, reference, redis_client):
+    assert result["step"] == STEPS and result["restarts"] == 1, result
+    events = job_status(redis_client, cfg.job.name, events=200)["events"]
+    recovered = [e for e in events if e["type"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["steps_lost"] == 0, recovered
+    assert "0 step(s) of work lost" in recovered[0]["reason"]
+    got = committed_weights(cfg.checkpoint_dir, STEPS)
+    for name, want in reference.items():
+        assert torch.equal(got[name], want), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_a_worker_stopped_from_outside_restarts_from_memory(how, cluster, reference, redis_server,
+                                                            redis_client, tmp_path):
+    cfg = job(f"mem-{how}", tmp_path)
+    thread, result = run_in_thread(cfg, redis_server.url)
+    right_after_a_snapshot(redis_client, cfg.job.name)
+    victim = signal_a_worker(signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+    try:
+        thread.join(500)
+    finally:
+        if how == "sigstop":  # the controller had its actor killed; make sure the frozen process went
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.kill()
+    assert not thread.is_alive()
+    assert_zero_lost_and_bitwise(cfg, result, reference, redis_client)
+
+
+@pytest.mark.timeout(600)
+def test_a_removed_node_restores_its_ranks_from_the_peer_copies(cluster, reference, redis_server,
+                                                                 redis_client, tmp_path):
+    cfg = job("mem-node", tmp_path)
+    thread, result = run_in_thread(cfg, redis_server.url)
+    victim = right_after_a_snapshot(redis_client, cfg.job.name)[1]  # ranks 2, 3 and a keeper go
+    cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == victim))
+    try:
+        thread.join(500)
+    finally:
+        cluster.add_node(num_cpus=2)  # leave the module's cluster as it was found
+        cluster.wait_for_nodes()
+    assert not thread.is_alive()
+    assert victim not in json.loads(JobRecordStore(redis_client, cfg.job.name).read().fields["nodes"])
+    assert_zero_lost_and_bitwise(cfg, result, reference, redis_client)
+
+
+@pytest.mark.timeout(600)
+def test_a_corrupted_snapshot_sends_every_rank_to_storage(cluster, reference, redis_server, redis_client,
+                                                          tmp_path):
+    cfg = job("mem-corrupt", tmp_path, interval_steps=4)
+    thread, result = run_in_thread(cfg, redis_server.url)
+    record = wait_for(redis_client, cfg.job.name, step=6)
+    signal_a_worker(signal.SIGKILL)
+    wait_for(redis_client, cfg.job.name, state="RECOVERING")  # the restart backs off 3 s: time to corrupt
+    for node in json.loads(record.fields["nodes"]):
+        keeper = ray.get_actor(keeper_name(cfg.job.name, node))
+        for rank, steps in ray.get(keeper.holdings.remote()).items():
+            for step in steps:
+                _, digest = ray.get(keeper.get.remote(rank, step))
+                keeper.put.remote(rank, step, b"flipped bits", digest)  # the keeper keeps the old sum
+    thread.join(500)
+    assert not thread.is_alive()
+    assert result["step"] == STEPS and result["restarts"] == 1
+    recovered = [e for e in job_status(redis_client, cfg.job.name, events=200)["events"]
+                 if e["type"] == "recovered"]
+    assert recovered[0]["resumed_from"] == 4 and recovered[0]["steps_lost"] >= 2  # storage: step 4
+    got = committed_weights(cfg.checkpoint_dir, STEPS)
+    assert all(torch.equal(got[n], w) for n, w in reference.items())
+
+
+def test_a_keeper_holds_the_newest_steps_and_snapshots_are_verified():
+    keeper = SnapshotKeeper()
+    blob, digest = serialize({"step": 3, "w": torch.arange(4.0)})
+    for step in range(1, 5):
+        keeper.put(0, step, blob, digest)
+    assert keeper.holdings() == {0: list(range(5 - KEEP_STEPS, 5))}
+    assert torch.equal(read_snapshot(*keeper.get(0, 4))["w"], torch.arange(4.0))
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        read_snapshot(blob[:-1] + b"x", digest)
