@@ -30,3 +30,17 @@ def redis_client(redis_server):
     yield client
     client.close()
 
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run `longrun ARGS...` in this process: (exit code, stdout, stderr)."""
+    from longrun.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps at the terminal width: keep messages on one line
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return run

@@ -45,18 +45,6 @@ def ckpt(tmp_path_factory):
     return SimpleNamespace(cfg=cfg, root=cfg.checkpoint_dir, weights=weights, out=out)
 
 
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """Run `longrun ARGS...` in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setenv("COLUMNS", "200")
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-    return run
-
-
 def _copy(ckpt, tmp_path) -> Path:
     """A copy of the checkpoint root the test may damage."""
     return Path(shutil.copytree(ckpt.root, tmp_path / "checkpoints"))

@@ -33,6 +33,7 @@ from longrun.checkpoint.sharding import globalize, localize
 from longrun.checkpoint.snapshot import HostStager, Snapshot
 from longrun.checkpoint.writer import CheckpointWriter, SaveJob, SaveResult
 from longrun.config import JobConfig
+from longrun.config.vocabulary import tokenizer_record
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class Checkpointer:
         self.last_saved_step: int | None = None  # the step of the newest save handed to the writer
         self.last_blocking_s: float | None = None
         self.saves = self.skipped = 0
+        # Recorded in every manifest (rank 0 writes it): read once, the file does not change.
+        self._tokenizer = tokenizer_record(cfg) if rank == 0 else None
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, trainer) -> float | None:
@@ -85,7 +88,8 @@ class Checkpointer:
         if self.rank == 0:
             manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
                                 model=self.cfg.model.model_dump(mode="json"),
-                                config_fingerprint=self.cfg.fingerprint(), layout=self.cfg.dims.degrees)
+                                config_fingerprint=self.cfg.fingerprint(), layout=self.cfg.dims.degrees,
+                                tokenizer=self._tokenizer)
         self.writer.submit(SaveJob(trainer.step, snapshot, manifest))
         self.last_saved_step = trainer.step
         self._pending = snapshot

@@ -3,7 +3,8 @@
     longrun checkpoint export runs/tiny/checkpoints --out tiny.safetensors
 
 An export holds the model's `state_dict` alone, loadable without longrun: safetensors (the
-model config, step and config fingerprint in its metadata) or a plain `torch.save` file. The
+model config, step and config fingerprint in its metadata) or a plain `torch.save` file; or
+`--format hf`, a Hugging Face Llama directory (hf_export.py). The
 checkpoint root is only read (catalog.py finds the step); the export is written under a
 temporary name and moved into place.
 """
@@ -31,7 +32,8 @@ from longrun.checkpoint.layout import step_dir_name
 from longrun.checkpoint.manifest import Manifest
 from longrun.checkpoint.restore import read_manifest
 
-ExportFormat = Literal["safetensors", "torch"]
+# "hf" is a directory (a Hugging Face model, hf_export.py); the others one file.
+ExportFormat = Literal["safetensors", "torch", "hf"]
 FORMAT_BY_SUFFIX: dict[str, ExportFormat] = {
     ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
 
@@ -59,13 +61,13 @@ class ExportResult:
 
 def infer_format(out: str, fmt: str | None) -> ExportFormat:
     if fmt is not None:
-        if fmt not in ("safetensors", "torch"):
-            raise ExportError(f"unknown export format {fmt!r}; use safetensors or torch")
+        if fmt not in ("safetensors", "torch", "hf"):
+            raise ExportError(f"unknown export format {fmt!r}; use safetensors, torch or hf")
         return fmt  # type: ignore[return-value]
     suffix = os.path.splitext(out)[1].lower()
     if suffix not in FORMAT_BY_SUFFIX:
         raise ExportError(f"cannot tell the format from the name {out!r}; end it in .safetensors "
-                          "or .pt, or pass --format safetensors|torch")
+                          "or .pt, or pass --format safetensors|torch (or hf: a Hugging Face directory)")
     return FORMAT_BY_SUFFIX[suffix]
 
 
@@ -98,11 +100,16 @@ def safetensors_metadata(manifest: Manifest, source: str) -> dict[str, str]:
 
 
 def export_weights(url: str, out: str, *, step: int | None = None, fmt: str | None = None,
-                   overwrite: bool = False) -> ExportResult:
+                   overwrite: bool = False, tokenizer: str | None = None) -> ExportResult:
     """Write the model weights of a committed step (default: the newest) to one file, `out`
     (a path or fsspec URL). Written under a temporary name and moved into place, so a failed
-    export never leaves a partial file under `out`."""
+    export never leaves a partial file under `out`. Format "hf": a Hugging Face directory
+    (`hf_export.export_hf`, which alone takes `tokenizer`)."""
     fmt = infer_format(out, fmt)
+    if fmt == "hf":
+        from longrun.checkpoint.hf_export import export_hf
+
+        return export_hf(url, out, step=step, tokenizer=tokenizer, overwrite=overwrite)
     out_fs, out_path = fsspec.core.url_to_fs(out)
     if out_fs.exists(out_path) and not overwrite:
         raise ExportError(f"{out} exists; pass --force to replace it")

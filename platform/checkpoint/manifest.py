@@ -47,6 +47,15 @@ def _shown(layout: dict[str, int]) -> str:
     return " x ".join(f"{k} {layout.get(k, 1)}" for k in ("dp", "fsdp", "cp", "tp", "pp"))
 
 
+# Model fields that say where the weights started, not what they are: a job resumes from its
+# checkpoint whatever they say (and checkpoints from before they existed lack them).
+_NOT_THE_SHAPE = ("init_from",)
+
+
+def _shape_of(model: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in model.items() if k not in _NOT_THE_SHAPE}
+
+
 class ManifestError(ValueError):
     """A manifest that is missing, truncated or not one of ours."""
 
@@ -70,6 +79,9 @@ class Manifest:
     # The parallel degrees it was written at ({"dp", "fsdp", "cp", "tp", "pp"}); empty in
     # checkpoints from before sharded training, which were all written with whole weights.
     layout: dict[str, int] = field(default_factory=dict)
+    # The tokenizer the model was trained with (config/vocabulary.py `tokenizer_record`: its
+    # path or 'byte', and sha256), so an export can ship it; None in older checkpoints.
+    tokenizer: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -91,8 +103,9 @@ class Manifest:
     def incompatibility(self, model: dict[str, Any], world_size: int, dp_size: int,
                         layout: dict[str, int] | None = None) -> str | None:
         """Why these shards cannot be loaded into a job with this model and layout, or None."""
-        if model != self.model:
-            diff = sorted(k for k in {*model, *self.model} if model.get(k) != self.model.get(k))
+        model, ours = _shape_of(model), _shape_of(self.model)
+        if model != ours:
+            diff = sorted(k for k in {*model, *ours} if model.get(k) != ours.get(k))
             shown = ", ".join(f"{k}: checkpoint {self.model.get(k)!r} vs job {model.get(k)!r}"
                               for k in diff)
             return f"the checkpoint holds a different model ({shown})"

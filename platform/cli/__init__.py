@@ -9,6 +9,8 @@
     longrun checkpoint list runs/tiny/checkpoints
     longrun checkpoint inspect runs/tiny/checkpoints --step 120 --verify
     longrun checkpoint export runs/tiny/checkpoints --out tiny.safetensors
+    longrun tokenizer train corpus/ --vocab-size 8192 --out runs/tok
+    longrun data prepare corpus/ web.jsonl --tokenizer runs/tok --out data/web
     longrun dashboards render
     longrun dashboards push --grafana-url http://127.0.0.1:3000 --prometheus-url http://prometheus:9090
 
@@ -25,11 +27,11 @@ import os
 
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli import checkpoint, config, dashboards, doctor, jobs, run
+from longrun.cli import checkpoint, config, dashboards, data, doctor, jobs, run
 from longrun.cli.common import console, job_errors
 from longrun.config import ConfigError
 
-FAMILIES = (run, jobs, config, doctor, checkpoint, dashboards)  # in the order --help lists them
+FAMILIES = (run, jobs, config, doctor, checkpoint, data, dashboards)  # in the order --help lists them
 
 __all__ = ["build_parser", "main"]
 

@@ -50,15 +50,24 @@ def add_parsers(sub) -> None:
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     export = action("export", cmd_checkpoint_export,
-                    "write the model weights to one file (safetensors or torch)",
+                    "write the model weights to one file (safetensors or torch), or a Hugging "
+                    "Face model directory (hf)",
                     "Write the model state_dict of a committed checkpoint to one file that loads "
                     "without longrun: safetensors (model config and step in its metadata) or a "
-                    "torch.save file. The shard's checksum is verified first.")
+                    "torch.save file; or, with --format hf, a directory that transformers' "
+                    "AutoModelForCausalLM.from_pretrained loads as a LlamaForCausalLM (config.json, "
+                    "model.safetensors, and the tokenizer's files). The shard's checksum is "
+                    "verified first.")
     export.add_argument("--out", required=True, metavar="FILE",
-                        help="the file to write (a path or fsspec URL); .safetensors or .pt")
+                        help="the file to write (a path or fsspec URL); .safetensors or .pt; "
+                        "with --format hf a local directory")
     export.add_argument("--step", type=int, help="the step (default: the newest committed)")
-    export.add_argument("--format", choices=("safetensors", "torch"),
+    export.add_argument("--format", choices=("safetensors", "torch", "hf"),
                         help="default: from the extension of --out")
+    export.add_argument("--tokenizer", metavar="PATH",
+                        help="--format hf: the job's tokenizer (tokenizer.json or its directory, "
+                        "or 'byte'), whose files and special token ids go with the model; default: "
+                        "the one the checkpoint records (the job's data.tokenizer)")
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
@@ -169,8 +178,12 @@ def cmd_checkpoint_export(args) -> int:
     from longrun.checkpoint.export import export_weights
 
     root = _checkpoint_root(args)
+    tokenizer = args.tokenizer
+    if tokenizer is not None and args.format != "hf":
+        args.parser.error("--tokenizer goes with --format hf")
     with console.status(f"exporting the model weights of {root} to {args.out}"):
-        result = export_weights(root, args.out, step=args.step, fmt=args.format, overwrite=args.force)
+        result = export_weights(root, args.out, step=args.step, fmt=args.format,
+                                overwrite=args.force, tokenizer=tokenizer)
     out.print(f"[green]wrote[/] {escape(result.out)} ({result.format}, {size(result.bytes)}): "
               f"{result.parameters:,} parameters in {result.tensors} tensors from {escape(result.source)}",
               highlight=False)

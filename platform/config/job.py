@@ -24,6 +24,7 @@ from longrun.config.sections import (
     Section,
     TrainingSection,
 )
+from longrun.config.vocabulary import resolve_vocabulary
 from longrun.parallel_dims import ParallelDims, parallel_dims
 
 __all__ = ["JobConfig", "cross_section_problems"]
@@ -43,7 +44,8 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
-        problems = cross_section_problems(self)
+        # The vocabulary first: it may set model.vocab_size, which the layout checks read.
+        problems = resolve_vocabulary(self) + cross_section_problems(self)
         if problems:
             # One line per problem, each led by its dotted path; the loader splits them back.
             raise ValueError("\n".join(f"{path}: {why}" for path, why in problems))

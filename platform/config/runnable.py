@@ -32,6 +32,11 @@ def runnable_problems(cfg: JobConfig) -> list[tuple[str, str]]:
         problems.append(("parallelism.dynamic_cp", "dynamic context parallelism splits sequences "
                          "across workers; a one-worker job has nothing to split. Set it to false "
                          "or add workers."))
+    if cfg.model.init_from:
+        from longrun.checkpoint.hf import init_from_problem
+
+        if problem := init_from_problem(cfg.model):
+            problems.append(("model.init_from", problem))
     memory = plan_problem(cfg)
     if memory:
         problems.append(("cluster.device_memory_gb", memory))

@@ -8,6 +8,8 @@ silently ignored setting.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from typing import Annotated, Literal
 
@@ -95,6 +97,10 @@ class ModelSection(Section):
     rope_theta: PositiveFloat = 10000.0
     norm_eps: PositiveFloat = 1e-5
     tie_embeddings: bool = True
+    init_from: str | None = Field(
+        None, description="A local Hugging Face Llama directory (config.json, model.safetensors) "
+        "whose weights start the job instead of a random initialisation; its config must match "
+        "this section. A job resuming from a checkpoint takes the checkpoint's weights instead.")
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelSection:
@@ -142,13 +148,45 @@ class LengthDistribution(Section):
         return self
 
 
+class MixItem(Section):
+    """One dataset of a mixture: a prepared directory and its relative share of documents."""
+
+    path: str = Field(description="A directory made by `longrun data prepare`.")
+    weight: float = Field(description="Relative share of the documents drawn, a long "
+                          "document counted once per max_seq_len chunk (> 0; normalised "
+                          "over the mixture, so 0.7 and 0.3 or 7 and 3 mean the same).")
+
+    @field_validator("path")
+    @classmethod
+    def _home(cls, path: str) -> str:
+        return os.path.expanduser(path)
+
+    @model_validator(mode="after")
+    def _positive_weight(self) -> MixItem:
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(
+                f"the mixture weight of {self.path!r} is {self.weight}; every weight must be a "
+                "positive number (a dataset not to draw from is left out of data.mix)")
+        return self
+
+
 class DataSection(Section):
-    source: Literal["text", "synthetic"] = "text"
+    source: Literal["text", "synthetic", "tokens"] = Field(
+        "text", description="text: files read at train time (byte tokenizer only); synthetic: "
+        "random documents; tokens: token shards made by `longrun data prepare` (data.path or data.mix).")
     path: str | None = Field(
         "stdlib",
         description="text: a directory of files, a .jsonl file with a 'text' field, or 'stdlib' "
-        "(the running Python's standard library sources: a real code corpus on any machine).",
+        "(the running Python's standard library sources: a real code corpus on any machine); "
+        "tokens: the --out directory of `longrun data prepare`.",
     )
+    tokenizer: str | None = Field(
+        None, description="A local tokenizer.json, or a directory holding one (a Hugging Face "
+        "tokenizer directory); null or 'byte': the byte tokenizer. model.vocab_size follows it "
+        "unless set. Token shards must have been prepared with the same tokenizer.")
+    mix: list[MixItem] | None = Field(
+        None, description="source tokens: several prepared directories drawn from by weight, "
+        "e.g. [{path: web, weight: 0.7}, {path: code, weight: 0.3}] (instead of data.path).")
     include: list[str] = Field(["*.py"], description="Glob patterns for files inside a directory.")
     synthetic: LengthDistribution = Field(default_factory=LengthDistribution)
     micro_batch_tokens: PositiveInt = Field(
@@ -156,11 +194,48 @@ class DataSection(Section):
         "the most tokens any rank holds; a global batch is then dp x cp x grad_accum budgets).")
     prefetch: NonNegativeInt = Field(4, description="Micro-batches prepared ahead by a background thread.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_stdlib_default_for_tokens(cls, data: object) -> object:
+        # 'stdlib' is the text source's default; token shards have no default directory.
+        if isinstance(data, dict) and data.get("source") == "tokens" and "path" not in data:
+            data = {**data, "path": None}
+        return data
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _home(cls, path: str | None) -> str | None:
+        # '~/tok' means the same to the config check and to every process that opens it.
+        return os.path.expanduser(path) if path else path
+
     @model_validator(mode="after")
     def _source_needs(self) -> DataSection:
         if self.source == "text" and not self.path:
             raise ValueError("source 'text' needs data.path (a directory, a .jsonl file, or 'stdlib')")
+        if self.mix is not None and self.source != "tokens":
+            raise ValueError(f"mix (of prepared token shards) needs source 'tokens', not "
+                             f"{self.source!r}")
+        if self.source == "tokens":
+            if self.mix is not None and self.path:
+                raise ValueError("source 'tokens' takes data.path (one prepared directory) or "
+                                 "data.mix (several), not both")
+            if self.mix is None and not self.path:
+                raise ValueError("source 'tokens' needs data.path (the --out directory of `longrun "
+                                 "data prepare`) or data.mix (several such directories with weights)")
+            if self.mix is not None and not self.mix:
+                raise ValueError("data.mix is empty; list at least one {path, weight}")
         return self
+
+    @property
+    def uses_byte_tokenizer(self) -> bool:
+        return self.tokenizer in (None, "byte")
+
+    @property
+    def token_dirs(self) -> list[str]:
+        """source tokens: the prepared directories, in mixture order (one without a mixture)."""
+        if self.source != "tokens":
+            return []
+        return [item.path for item in self.mix] if self.mix is not None else [str(self.path)]
 
 
 class TrainingSection(Section):

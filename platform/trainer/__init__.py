@@ -11,6 +11,8 @@
     model.py, packed_attention.py   Llama-style decoder over packed variable-length documents;
                      causal attention per document
     data.py, packing.py, tokenizer.py   corpora, the resumable sampler, packing with prefetch
+    corpus.py        Corpus: documents as chunks of at most max_seq_len (BOS/EOS)
+    token_corpus.py, mixture.py   prepared token shards; a weighted, resumable mixture of them
     schedule.py, optim.py   the LR schedule, AdamW
     progress.py, errors.py, runtime.py, flops.py   step metrics and the progress line, NaN
                      errors, device/seeds/RNG state, peak FLOP/s for MFU
@@ -27,6 +29,7 @@ from longrun.trainer.data import (
     build_corpus,
 )
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
+from longrun.trainer.mixture import MixtureSampler, build_sampler
 from longrun.trainer.model import Transformer, packed_causal_attention
 from longrun.trainer.optim import build_optimizer
 from longrun.trainer.packing import (
@@ -38,6 +41,7 @@ from longrun.trainer.packing import (
 )
 from longrun.trainer.progress import ProgressPrinter, StepMetrics
 from longrun.trainer.schedule import build_scheduler, lr_multiplier, lr_schedule
+from longrun.trainer.token_corpus import TokenCorpus, open_token_corpus
 from longrun.trainer.tokenizer import ByteTokenizer
 from longrun.trainer.trainer import Trainer
 
@@ -50,6 +54,7 @@ __all__ = [
     "FileCorpus",
     "JsonlCorpus",
     "MicroBatch",
+    "MixtureSampler",
     "NonFiniteError",
     "NonFiniteGradientError",
     "NonFiniteLossError",
@@ -57,14 +62,17 @@ __all__ = [
     "ProgressPrinter",
     "StepMetrics",
     "SyntheticCorpus",
+    "TokenCorpus",
     "Trainer",
     "Transformer",
     "build_corpus",
     "build_micro_batch",
     "build_optimizer",
+    "build_sampler",
     "build_scheduler",
     "lr_multiplier",
     "lr_schedule",
+    "open_token_corpus",
     "packed_causal_attention",
     "packed_micro_batches",
 ]

@@ -1,22 +1,23 @@
 """Training documents and the order they are drawn in.
 
-A `Corpus` is an indexable list of training documents ("chunks"): each source document is
-wrapped as BOS + tokens + EOS and cut into pieces of at most model.max_seq_len tokens (only the
-first piece has BOS, only the last EOS). Sources: real text (a directory of files, a .jsonl file
-with a "text" field, or 'stdlib': the running interpreter's standard library, a long-tailed code
-corpus on every machine) or synthetic documents with lognormal lengths.
+A `Corpus` (`corpus.py`) is an indexable list of training documents ("chunks"): each source
+document is wrapped as BOS + tokens + EOS and cut into pieces of at most model.max_seq_len
+tokens. Sources: real text (a directory of files, a .jsonl file with a "text" field, or
+'stdlib': the running interpreter's standard library, a long-tailed code corpus on every
+machine), synthetic documents with lognormal lengths, or token shards prepared by `longrun data
+prepare` (`token_corpus.py`; the only source for a BPE tokenizer).
 
 The corpus is indexed from document lengths (plus an 8 KiB sniff per file to skip files that
 are not text); tokens are read only when a chunk is drawn, so the 30 MB standard library
 indexes in a fraction of a second.
 
 `DocumentSampler` decides the order: a seeded permutation per epoch, sharded across data-parallel
-ranks, with a position that `state_dict()` captures exactly.
+ranks, with a position that `state_dict()` captures exactly (a mixture of several prepared
+datasets: `mixture.py`).
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import math
@@ -28,63 +29,17 @@ from typing import Any
 import numpy as np
 
 from longrun.config.sections import DataSection, LengthDistribution, ModelSection
-from longrun.kinds import FaultKind
+from longrun.data.errors import DataError
+from longrun.data.sources import looks_like_text
+from longrun.trainer.corpus import Corpus, SpecialTokens
+from longrun.trainer.token_corpus import open_token_corpus
 from longrun.trainer.tokenizer import ByteTokenizer
 
+# Re-exported: DataError and Corpus were defined here first, and callers import them from here.
+__all__ = ["Corpus", "DataError", "DocumentSampler", "FileCorpus", "JsonlCorpus", "SyntheticCorpus",
+           "build_corpus"]
+
 logger = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """The data source cannot be used as configured; the message says what to change."""
-
-    fault_kind = FaultKind.FATAL  # recurs on any node: the controller ends the job, no restart
-
-
-class Corpus:
-    """Chunked documents; subclasses provide `_read(doc, start, stop)`: token ids
-    [start, stop) of source document `doc` (BOS/EOS excluded)."""
-
-    def __init__(self, content_lengths: np.ndarray, max_seq_len: int, tokenizer: ByteTokenizer):
-        if max_seq_len < 2:
-            raise DataError(f"model.max_seq_len ({max_seq_len}) must be at least 2 to learn anything")
-        self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self._content = np.asarray(content_lengths, dtype=np.int64)
-        total = self._content + 2  # BOS and EOS
-        n_chunks = -(-total // max_seq_len)
-        self._doc = np.repeat(np.arange(len(total)), n_chunks)
-        first = np.cumsum(n_chunks) - n_chunks
-        self._start = (np.arange(len(self._doc)) - first[self._doc]) * max_seq_len
-        self._stop = np.minimum(self._start + max_seq_len, total[self._doc])
-
-    @property
-    def num_documents(self) -> int:
-        return len(self._content)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self._content.sum() + 2 * len(self._content))
-
-    def __len__(self) -> int:
-        return len(self._doc)
-
-    @property
-    def chunk_lengths(self) -> np.ndarray:
-        """Token count of every item (document chunk), BOS/EOS included, without reading."""
-        return self._stop - self._start
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        doc, start, stop = int(self._doc[i]), int(self._start[i]), int(self._stop[i])
-        n = int(self._content[doc])
-        # Stream offset p holds content token p - 1 (offset 0 is BOS, n + 1 is EOS).
-        parts = [np.array([self.tokenizer.BOS])] if start == 0 else []
-        parts.append(self._read(doc, max(start - 1, 0), min(stop - 1, n)))
-        if stop == n + 2:
-            parts.append(np.array([self.tokenizer.EOS]))
-        return np.concatenate(parts).astype(np.int64, copy=False)
-
-    def _read(self, doc: int, start: int, stop: int) -> np.ndarray:
-        raise NotImplementedError
 
 
 # How much of each file is sniffed to tell text from binary. Like git's heuristic (a NUL in the
@@ -94,17 +49,8 @@ _SNIFF_BYTES = 8192
 
 
 def _looks_like_text(path: Path, size: int) -> bool:
-    """True if the first _SNIFF_BYTES of `path` hold no NUL byte and decode as UTF-8. A
-    multi-byte character cut by the sniff boundary is allowed (final=False), and only then."""
     with open(path, "rb") as f:
-        head = f.read(_SNIFF_BYTES)
-    if b"\0" in head:
-        return False
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) >= size)
-    except UnicodeDecodeError:
-        return False
-    return True
+        return looks_like_text(f.read(_SNIFF_BYTES), size)
 
 
 def _some(paths: list[PurePosixPath], limit: int = 3) -> str:
@@ -223,7 +169,7 @@ class SyntheticCorpus(Corpus):
         self,
         dist: LengthDistribution,
         max_seq_len: int,
-        tokenizer: ByteTokenizer,
+        tokenizer: SpecialTokens,
         seed: int,
         num_docs: int = 4096,
     ):
@@ -248,10 +194,19 @@ _NOT_STDLIB = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def build_corpus(
-    data: DataSection, model: ModelSection, tokenizer: ByteTokenizer, seed: int
+    data: DataSection, model: ModelSection, tokenizer: SpecialTokens, seed: int
 ) -> Corpus:
+    if data.source == "tokens":
+        return open_token_corpus(data, model, tokenizer)
     if data.source == "synthetic":
         return SyntheticCorpus(data.synthetic, model.max_seq_len, tokenizer, seed)
+    if not isinstance(tokenizer, ByteTokenizer):
+        # Text is indexed by file sizes (one byte, one token) and read by byte ranges.
+        raise DataError(
+            f"the text source reads files one byte per token, so it cannot use the tokenizer "
+            f"{getattr(tokenizer, 'path', tokenizer)}; tokenise the text once with `longrun data "
+            "prepare INPUT... --tokenizer TOKENIZER --out DIR` and train with data.source 'tokens', "
+            "data.path DIR")
     if data.path == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         return FileCorpus(root, data.include, model.max_seq_len, tokenizer, _NOT_STDLIB)
@@ -321,6 +276,9 @@ class DocumentSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "parts" in state:
+            raise DataError("cannot resume the data order: the saved position is of a mixture "
+                            f"of {len(state['parts'])} datasets, this job reads one (data.mix was removed)")
         mine = self.state_dict()
         for key in ("seed", "num_docs", "dp_rank", "dp_size"):
             if state[key] != mine[key]:

@@ -19,14 +19,16 @@ from typing import Any
 import torch
 
 from longrun.config import JobConfig
+from longrun.trainer.corpus import Corpus
 from longrun.trainer.cp.batches import ContextParallelSetup, planned_steps
-from longrun.trainer.data import Corpus, DocumentSampler
+from longrun.trainer.data import DocumentSampler
+from longrun.trainer.mixture import MixtureSampler
 from longrun.trainer.packing import Prefetcher, packed_micro_batches
 from longrun.trainer.step import StepWork, plain_step, planned_step
 
 
 class StepFeed:
-    def __init__(self, cfg: JobConfig, corpus: Corpus, sampler: DocumentSampler, *,
+    def __init__(self, cfg: JobConfig, corpus: Corpus, sampler: DocumentSampler | MixtureSampler, *,
                  cp: ContextParallelSetup | None, device: torch.device):
         self.cfg, self.corpus, self.sampler, self.cp, self.device = cfg, corpus, sampler, cp, device
         self.state: dict[str, Any] = sampler.state_dict()

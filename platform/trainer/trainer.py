@@ -43,13 +43,16 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from longrun.checkpoint.hf_import import load_hf_weights
 from longrun.config import JobConfig
+from longrun.data.tokenizers import load_tokenizer
 from longrun.kinds import Phase
 from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch
 from longrun.trainer.cp.planner import Plan
-from longrun.trainer.data import DocumentSampler, build_corpus
+from longrun.trainer.data import build_corpus
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.feed import StepFeed
+from longrun.trainer.mixture import build_sampler
 from longrun.trainer.model import Transformer
 from longrun.trainer.optim import build_optimizer
 from longrun.trainer.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
@@ -64,7 +67,6 @@ from longrun.trainer.runtime import (
 )
 from longrun.trainer.schedule import build_scheduler
 from longrun.trainer.step import MicroBatchWork, StepWork, plain_step, planned_step, planned_work
-from longrun.trainer.tokenizer import ByteTokenizer
 
 # Re-exported: callers import these from the trainer module.
 __all__ = ["NonFiniteError", "NonFiniteGradientError", "NonFiniteLossError", "ProgressPrinter",
@@ -85,7 +87,7 @@ class Trainer:
                  dp_group: dist.ProcessGroup | None = None,
                  context_parallel: ContextParallelSetup | None = None,
                  mesh: DeviceMesh | None = None,
-                 peak_flops: float | None = None, progress: bool = True):
+                 peak_flops: float | None = None, progress: bool = True, load_init_from: bool = True):
         self.cfg = cfg
         # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
         # worker puts it in its heartbeat, so a hang report says where the rank was stuck.
@@ -94,8 +96,13 @@ class Trainer:
         self.peak_flops = peak_flops
         seed_everything(cfg.job.seed)
         # Initialised on the CPU, then moved: the same weights whatever the device.
-        self.model = Transformer(cfg.model).to(self.device)
-        self.tokenizer = ByteTokenizer(cfg.model.vocab_size)
+        self.model = Transformer(cfg.model)
+        if cfg.model.init_from and load_init_from:
+            # Whole weights on every rank, before parallelize() shards them (TP, FSDP). A worker
+            # that is about to restore a checkpoint skips this (load_init_from=False).
+            self.model.load_state_dict(load_hf_weights(cfg.model.init_from, cfg.model))
+        self.model = self.model.to(self.device)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
         # Under context parallelism gradients are summed over all dp x cp ranks (each rank
         # back-propagates its own tokens' loss; the ring returns dK/dV to their owners).
         self.cp = context_parallel
@@ -113,7 +120,8 @@ class Trainer:
         # Every rank of a CP span draws the same global batch; the plan splits it.
         shard_rank, shard_size = ((0, 1) if context_parallel is not None
                                   else (self.parallel.rank, self.parallel.size))
-        sampler = DocumentSampler(len(self.corpus), seed=cfg.job.seed, dp_rank=shard_rank, dp_size=shard_size)
+        sampler = build_sampler(cfg.data, self.corpus, seed=cfg.job.seed, dp_rank=shard_rank,
+                                dp_size=shard_size)
         self.feed = StepFeed(cfg, self.corpus, sampler, cp=context_parallel, device=self.device)
         self.step = 0
         self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)

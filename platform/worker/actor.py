@@ -21,6 +21,19 @@ from longrun.observability.metrics import WorkerMetrics
 from longrun.services.redis_client import patient_client, quick_client
 
 
+class InitFromSkipped(RuntimeError):
+    """The worker skipped reading model.init_from because a checkpoint was there to restore,
+    and then none could be restored: starting from random weights would be silently wrong."""
+
+    fault_kind = FaultKind.FATAL
+
+    def __init__(self, path: str):
+        super().__init__(
+            f"committed checkpoints exist, so model.init_from ({path}) was not read, but none of them "
+            "could be restored (see the restore warnings above); repair or remove them to start "
+            "again from model.init_from")
+
+
 class TrainWorker:
     """Plain class; the controller wraps it with `ray.remote(...)` and its resources.
 
@@ -134,7 +147,7 @@ class TrainWorker:
         from longrun.health.faults import FaultInjector
         from longrun.worker.hooks import StepHooks
         from longrun.worker.preemption import Preempted, PreemptionWatch
-        from longrun.worker.setup import build_trainer, join_groups, worker_device
+        from longrun.worker.setup import build_trainer, has_committed_checkpoint, join_groups, worker_device
 
         cfg, groups = self.cfg, None
         device = worker_device(cfg)
@@ -144,7 +157,10 @@ class TrainWorker:
                                                 redis_url=self.redis_url, node_ids=self.node_ids,
                                                 device=device)
             metrics.observe_init_timings(groups.timings)
-        trainer, replicas = build_trainer(cfg, groups, device)
+        # A job starting from a Hugging Face model reads it only when nothing will be restored.
+        resuming = bool(cfg.model.init_from) and (
+            (self.snapshots or {}).get("restore") is not None or has_committed_checkpoint(cfg))
+        trainer, replicas = build_trainer(cfg, groups, device, resuming=resuming)
         with trainer:
             hooks = StepHooks(beat, metrics)
             hooks.checkpointer = Checkpointer(
@@ -160,6 +176,8 @@ class TrainWorker:
                 hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots)  # None: unreachable
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
+            if resuming and not resumed_from:
+                raise InitFromSkipped(cfg.model.init_from)
             preempted = False
             try:
                 trainer.train(on_step=hooks.after_step)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import fsspec
 import torch
 import torch.distributed as dist
 
+from longrun.checkpoint.layout import committed_steps
 from longrun.commgroup import NodeSpec, ParallelGroups, init_parallel_groups, make_layout
 from longrun.config import JobConfig
 from longrun.trainer import Trainer
@@ -64,19 +66,21 @@ def join_groups(cfg: JobConfig, *, rank: int, attempt: int, redis_url: str, node
                                 device=device if device.type == "cuda" else None)
 
 
-def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
-                  device: torch.device) -> tuple[Trainer, Replicas]:
+def build_trainer(cfg: JobConfig, groups: ParallelGroups | None, device: torch.device, *,
+                  resuming: bool = False) -> tuple[Trainer, Replicas]:
     """The trainer, and its replicas (the ranks holding the same piece of the weights).
     Gradients are summed over the span (dp x fsdp x cp ranks). Without context parallelism
     each span rank draws its own share of the global batch; with it, every rank of the span
     draws the same global batch and the plan splits it. Where the weights are sharded (fsdp
-    or tp > 1) the trainer gets the device mesh built on the groups already formed."""
+    or tp > 1) the trainer gets the device mesh built on the groups already formed.
+    `resuming`: a restore will replace the initial weights, so model.init_from is not read."""
     peak = peak_flops(device, cfg.cluster.peak_tflops)
     mesh = groups.device_mesh(device.type) if groups is not None and cfg.dims.sharded else None
     replicas = replicas_of(groups)
     if not cfg.dims.cp_enabled:
         dp_group = groups.dp_cp if groups else None
-        trainer = Trainer(cfg, device, dp_group=dp_group, mesh=mesh, peak_flops=peak)
+        trainer = Trainer(cfg, device, dp_group=dp_group, mesh=mesh, peak_flops=peak,
+                          load_init_from=not resuming)
         return trainer, replicas
     from longrun.trainer.cp.batches import one_rank_setup, setup_from_parallel_groups
     from longrun.trainer.cp.calibration import load_or_calibrate
@@ -89,9 +93,15 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None,
                                       p2p_s_per_byte=1e-9, micro_batch_overhead_s=1e-3)
     setup = (setup_from_parallel_groups(groups, cost=provisional) if groups is not None
              else one_rank_setup(provisional, cfg.dims))
-    trainer = Trainer(cfg, device, context_parallel=setup, mesh=mesh, peak_flops=peak)
+    trainer = Trainer(cfg, device, context_parallel=setup, mesh=mesh, peak_flops=peak,
+                      load_init_from=not resuming)
     load_or_calibrate(os.path.join(cfg.job.output_dir, cfg.job.name, "cp-calibration"), trainer)
     return trainer, replicas
+
+
+def has_committed_checkpoint(cfg: JobConfig) -> bool:
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    return bool(committed_steps(fs, root.rstrip("/")))
 
 
 def replicas_of(groups: ParallelGroups | None) -> Replicas:

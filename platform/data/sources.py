@@ -1,0 +1,235 @@
+"""Documents from the inputs of `data prepare` and `tokenizer train`, streamed.
+
+An input is a file, a directory (walked recursively in sorted order, hidden entries skipped,
+file names filtered by glob patterns) or a glob pattern. Each file is read by its suffix:
+
+- `.jsonl` / `.ndjson`: one JSON object per line, the document in its text field;
+- `.parquet`: the text column, read one record batch at a time (pyarrow);
+- anything else: one text file is one document; files found in a directory that are not
+  UTF-8 text (a NUL byte or invalid UTF-8 in the first 8 KiB, git's heuristic) are skipped.
+
+Nothing reads a whole input into memory: documents are yielded one at a time, so inputs larger
+than memory stream through. The order is fixed by the inputs (sorted directory walks, file
+order, line or row order), which is what makes prepared shards reproducible.
+"""
+
+from __future__ import annotations
+
+import codecs
+import fnmatch
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from longrun.data.errors import DataError
+
+SNIFF_BYTES = 8192
+PARQUET_BATCH_ROWS = 1024
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str  # absolute
+    kind: str  # "text" | "jsonl" | "parquet"
+    size: int
+    mtime_ns: int
+    named: bool  # given on the command line (so a binary file is an error, not skipped)
+
+
+class Document(NamedTuple):
+    text: str
+    nbytes: float  # input bytes this document accounts for: what a progress bar advances by
+
+
+@dataclass
+class SourceStats:
+    """What reading skipped, for the summary."""
+
+    documents: int = 0
+    binary_files: int = 0
+    empty_documents: int = 0
+
+
+def _kind(path: str) -> str:
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if lower.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _input_file(path: str, named: bool) -> InputFile:
+    st = os.stat(path)
+    return InputFile(os.path.abspath(path), _kind(path), st.st_size, st.st_mtime_ns, named)
+
+
+def _walk(root: str, patterns: Sequence[str], exclude: str | None) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and os.path.abspath(os.path.join(dirpath, d)) != exclude)
+        for name in sorted(filenames):
+            if not name.startswith(".") and any(fnmatch.fnmatch(name, p) for p in patterns):
+                yield os.path.join(dirpath, name)
+
+
+def resolve_inputs(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",),
+                   exclude: str | None = None) -> list[InputFile]:
+    """Every file the inputs name, in reading order; DataError for an input that names nothing.
+    `exclude`: a directory never walked into (prepare's output, when it sits inside an input:
+    its shards are not documents, and they change between a run and its resume)."""
+    exclude = os.path.abspath(exclude) if exclude else None
+    if not inputs:
+        raise DataError("empty input: no input files or directories given")
+    files: list[InputFile] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            files.extend(_input_file(p, named=False) for p in _walk(item, patterns, exclude))
+        elif os.path.isfile(item):
+            files.append(_input_file(item, named=True))
+        elif glob.has_magic(item):
+            matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise DataError(f"empty input: the pattern {item!r} matches no file")
+            files.extend(_input_file(p, named=False) for p in matched)
+        else:
+            raise DataError(f"input {item!r} does not exist (give files, directories or glob patterns)")
+    if not files:
+        raise DataError(f"empty input: no file in {', '.join(map(repr, inputs))} matches "
+                        f"{', '.join(map(repr, patterns))}")
+    return files
+
+
+def inputs_fingerprint(files: Sequence[InputFile]) -> str:
+    """sha256 over every file's path, size and modification time: changes when any input does
+    (cheap to recompute on resume: a stat per file, no reading)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.path}\0{f.size}\0{f.mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def looks_like_text(head: bytes, size: int) -> bool:
+    """True if `head`, the first bytes of a file of `size` bytes, hold no NUL byte and decode as
+    UTF-8 (a multi-byte character cut at the end of `head` is allowed, and only then)."""
+    if b"\0" in head:
+        return False
+    try:
+        # final=False: a multi-byte character cut at the sniff boundary is not an error.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) >= size)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _read_text(f: InputFile, stats: SourceStats) -> Iterator[Document]:
+    with open(f.path, "rb") as fh:
+        head = fh.read(SNIFF_BYTES)
+        if not looks_like_text(head, f.size):
+            if f.named:
+                raise DataError(f"{f.path} is not UTF-8 text (a NUL byte or invalid UTF-8 in its first "
+                                f"{SNIFF_BYTES} bytes); only text, .jsonl and .parquet files can be read")
+            stats.binary_files += 1
+            return
+        # A text file is one document; past the sniff, a stray invalid byte becomes U+FFFD.
+        text = (head + fh.read()).decode("utf-8", errors="replace")
+    yield Document(text, f.size)
+
+
+def _describe_fields(obj: dict) -> str:
+    return ", ".join(json.dumps(k) for k in list(obj)[:20]) or "no fields"
+
+
+def _read_jsonl(f: InputFile, column: str) -> Iterator[Document]:
+    with open(f.path, "rb") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{f.path} line {line_no}"
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{where} is not valid JSON ({exc})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where} is a JSON {type(obj).__name__}, not an object with a "
+                                f"{json.dumps(column)} field")
+            if column not in obj:
+                raise DataError(f"{where} has no {json.dumps(column)} field (it has: "
+                                f"{_describe_fields(obj)}); set --text-column to the field with the text")
+            text = obj[column]
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{where}: the {json.dumps(column)} field is a {type(text).__name__}, "
+                                "not a string")
+            yield Document(text or "", len(line))
+
+
+def _read_parquet(f: InputFile, column: str) -> Iterator[Document]:
+    try:
+        pf = pq.ParquetFile(f.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{f.path} is not a readable parquet file ({exc})") from None
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise DataError(f"{f.path} has no column {json.dumps(column)} (it has: "
+                        f"{', '.join(json.dumps(n) for n in names) or 'no columns'}); "
+                        "set --text-column to the column that holds the text")
+    kind = pf.schema_arrow.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{f.path}: column {json.dumps(column)} holds {kind}, not strings")
+    per_row = f.size / max(pf.metadata.num_rows, 1)
+    batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:  # a corrupt page, found only when read
+            raise DataError(f"{f.path} is damaged: a part of it cannot be read ({exc})") from None
+        if batch is None:
+            return
+        for text in batch.column(0).to_pylist():
+            yield Document(text or "", per_row)
+
+
+def _named_os_errors(f: InputFile, docs: Iterator[Document]) -> Iterator[Document]:
+    try:
+        yield from docs
+    except OSError as exc:  # unreadable, vanished, a disk error: name the file
+        raise DataError(f"cannot read {f.path}: {exc.strerror or exc}") from None
+
+
+def iter_documents(files: Sequence[InputFile], *, text_column: str = "text",
+                   stats: SourceStats | None = None) -> Iterator[Document]:
+    """The documents of `files` in order, empty ones skipped; DataError if there is none at all
+    ("empty input"), raised when the stream ends."""
+    stats = stats if stats is not None else SourceStats()
+    for f in files:
+        if f.kind == "jsonl":
+            docs = _read_jsonl(f, text_column)
+        elif f.kind == "parquet":
+            docs = _read_parquet(f, text_column)
+        else:
+            docs = _read_text(f, stats)
+        for doc in _named_os_errors(f, docs):
+            if not doc.text:
+                stats.empty_documents += 1
+                continue
+            stats.documents += 1
+            yield doc
+    if stats.documents == 0:
+        raise DataError(f"empty input: {len(files)} file(s) hold no document"
+                        + (f" ({stats.binary_files} binary file(s) skipped)" if stats.binary_files else "")
+                        + (f" ({stats.empty_documents} empty document(s))" if stats.empty_documents else ""))
+
+
+def read_texts(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",),
+               text_column: str = "text") -> Iterator[str]:
+    """Just the texts of the inputs, in order (what training a tokenizer reads)."""
+    for doc in iter_documents(resolve_inputs(inputs, patterns=patterns), text_column=text_column):
+        yield doc.text

@@ -1,0 +1,110 @@
+"""A data mixture: documents drawn from several prepared datasets by weight, deterministically
+and resumably.
+
+Which dataset the n-th draw comes from is decided without randomness: the one furthest behind
+its share, i.e. the argmax over datasets of `weight_i * (n + 1) - drawn_i` (ties to the first
+listed). After any number of draws each dataset's count is within one document of
+`weight_i * n`, so the proportions hold over short windows too, not only on average. (The
+same rule Megatron-LM's blended datasets use.)
+
+Within a dataset the order is that dataset's own `DocumentSampler`: a permutation per epoch,
+seeded by (job seed, dataset index), sharded across the data-parallel ranks. A small dataset
+simply starts its next epoch sooner. The position is the per-dataset counts plus each
+dataset's (epoch, index): integers, which `state_dict()` holds and a restored sampler continues
+from exactly. Every rank computes the same sequence of datasets, and takes its own documents
+from each.
+
+    sampler = build_sampler(cfg.data, corpus, seed=cfg.job.seed, dp_rank=r, dp_size=n)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from longrun.config.sections import DataSection
+from longrun.data.errors import DataError
+from longrun.trainer.corpus import Corpus
+from longrun.trainer.data import DocumentSampler
+
+
+def _dataset_seed(seed: int, dataset: int) -> int:
+    # Derived, not seed + dataset: job seed 1's dataset 0 must not repeat seed 0's dataset 1.
+    return int(np.random.SeedSequence([seed, dataset, 0x313]).generate_state(1)[0])
+
+
+class MixtureSampler:
+    """An endless stream of corpus item indices for one data-parallel rank, from the datasets
+    whose items are the consecutive ranges of `sizes`, each drawn with its share of `weights`."""
+
+    def __init__(self, sizes: list[int], weights: list[float], *, seed: int, dp_rank: int = 0,
+                 dp_size: int = 1, names: list[str] | None = None, shuffle: bool = True):
+        if len(sizes) != len(weights) or not sizes:
+            raise ValueError(f"one weight per dataset: {len(sizes)} datasets, {len(weights)} weights")
+        if not all(w > 0 for w in weights):
+            raise ValueError(f"mixture weights must be positive, got {list(weights)}")
+        names = names or [f"dataset {i}" for i in range(len(sizes))]
+        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+        self._offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        self.parts: list[DocumentSampler] = []
+        for i, (size, name) in enumerate(zip(sizes, names, strict=True)):
+            if size < dp_size:
+                raise DataError(f"{name} has {size} documents, fewer than the {dp_size} data-parallel "
+                                "ranks; every dataset of a mixture needs at least one per rank")
+            self.parts.append(DocumentSampler(int(size), seed=_dataset_seed(seed, i), dp_rank=dp_rank,
+                                              dp_size=dp_size, shuffle=shuffle))
+        self.drawn = np.zeros(len(sizes), dtype=np.int64)
+
+    def next_dataset(self) -> int:
+        """The dataset the next draw comes from: the one furthest behind its share."""
+        return int(np.argmax(self.weights * float(self.drawn.sum() + 1) - self.drawn))
+
+    def __iter__(self) -> MixtureSampler:
+        return self
+
+    def __next__(self) -> int:
+        part = self.next_dataset()
+        self.drawn[part] += 1
+        return int(self._offsets[part]) + next(self.parts[part])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+            "weights": self.weights.tolist(), "drawn": self.drawn.tolist(),
+            "parts": [p.state_dict() for p in self.parts],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "parts" not in state:
+            raise DataError(
+                f"cannot resume the data order: the saved position is of a single dataset, this job "
+                f"mixes {len(self.parts)} (data.path became data.mix)")
+        mine = self.state_dict()
+        for key in ("seed", "dp_rank", "dp_size"):
+            if state[key] != mine[key]:
+                raise DataError(
+                    f"cannot resume the data order: the saved mixture has {key} = {state[key]}, this "
+                    f"one {mine[key]} (the seed or data-parallel layout changed)")
+        if len(state["parts"]) != len(self.parts) or not np.array_equal(state["weights"], mine["weights"]):
+            raise DataError(
+                f"cannot resume the data order: the saved mixture has weights {state['weights']}, "
+                f"data.mix gives {mine['weights']} (normalised); a mixture resumes with the datasets "
+                "and weights it was saved with")
+        for part, saved in zip(self.parts, state["parts"], strict=True):
+            part.load_state_dict(saved)  # checks each dataset's size
+        self.drawn = np.asarray(state["drawn"], dtype=np.int64).copy()
+
+
+def build_sampler(data: DataSection, corpus: Corpus, *, seed: int, dp_rank: int = 0,
+                  dp_size: int = 1) -> DocumentSampler | MixtureSampler:
+    """The document order of `corpus`: a mixture sampler for `data.mix`, else one permutation
+    per epoch over all its documents."""
+    if data.mix is None:
+        return DocumentSampler(len(corpus), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    sizes = getattr(corpus, "part_sizes", None)
+    if sizes is None or len(sizes) != len(data.mix):
+        raise ValueError("data.mix needs the corpus of its prepared directories (open_token_corpus)")
+    return MixtureSampler([int(n) for n in sizes], [item.weight for item in data.mix], seed=seed,
+                          dp_rank=dp_rank, dp_size=dp_size, names=[item.path for item in data.mix])

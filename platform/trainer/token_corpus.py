@@ -1,0 +1,87 @@
+"""Training from prepared token shards (`longrun data prepare`): nothing is tokenised at train time.
+
+`data.source: tokens` reads one prepared directory (`data.path`) or several (`data.mix`), which
+are then one corpus, directory after directory, so that a document index names one document
+of one directory and `part_sizes` tells the mixture sampler (`mixture.py`) where each
+directory's chunks lie. Documents longer than model.max_seq_len are split by `Corpus`.
+
+Opening checks what the config check could not yet see (the directories may have been made
+after the config was validated): every shard's sha256 (by `TokenShards`), that the shards were
+made with the job's tokenizer (data.tokenizer), that a mixture's directories share one
+tokenizer, and that model.vocab_size covers the tokenizer's ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from longrun.config.sections import DataSection, ModelSection
+from longrun.config.vocabulary import BYTE_TOKENIZER_SHA256
+from longrun.data.errors import DataError
+from longrun.data.shards import TokenShards
+from longrun.trainer.corpus import Corpus, SpecialTokens
+
+
+@dataclass(frozen=True)
+class ShardSpecials:
+    """BOS and EOS as the shards' manifest records them: the ids their tokenizer gave."""
+
+    BOS: int
+    EOS: int
+
+
+class TokenCorpus(Corpus):
+    """The documents of one or more prepared directories, read from memory-mapped shards."""
+
+    def __init__(self, shards: list[TokenShards], max_seq_len: int, names: list[str] | None = None):
+        if not shards:
+            raise ValueError("a token corpus needs at least one prepared directory")
+        self.shards = shards
+        self.names = names or [f"dataset {i}" for i in range(len(shards))]
+        record = shards[0].manifest["tokenizer"]
+        lengths = [np.asarray(s.lengths, dtype=np.int64) for s in shards]
+        # The first document of each directory, and (last) the number of documents.
+        self._first_doc = np.concatenate(([0], np.cumsum([len(x) for x in lengths])))
+        super().__init__(np.concatenate(lengths), max_seq_len,
+                         ShardSpecials(BOS=int(record["bos"]), EOS=int(record["eos"])))
+        # Chunks are ordered by document, so each directory's chunks are one contiguous range.
+        self.part_sizes = np.diff(np.searchsorted(self._doc, self._first_doc)).astype(np.int64)
+
+    def _read(self, doc: int, start: int, stop: int) -> np.ndarray:
+        part = int(np.searchsorted(self._first_doc, doc, side="right")) - 1
+        return self.shards[part].read(doc - int(self._first_doc[part]), start, stop)
+
+
+def _short(sha: str) -> str:
+    return f"{str(sha)[:12]}..."
+
+
+def open_token_corpus(data: DataSection, model: ModelSection, tokenizer: SpecialTokens) -> TokenCorpus:
+    """The corpus of `data.path` or `data.mix`, checked against the job's tokenizer and model."""
+    names = data.token_dirs
+    shards = [TokenShards(name) for name in names]
+    # The named tokenizer's (BPE: its file's; 'byte' named explicitly: the byte tokenizer's);
+    # with data.tokenizer unset the shards' own is taken as given.
+    expected = getattr(tokenizer, "sha256", None) or (
+        BYTE_TOKENIZER_SHA256 if data.tokenizer == "byte" else None)
+    for name, part in zip(names, shards, strict=True):
+        if expected is not None and part.tokenizer_sha256 != expected:
+            raise DataError(
+                f"the shards in {name} were prepared with another tokenizer (sha256 "
+                f"{_short(part.tokenizer_sha256)}) than data.tokenizer "
+                f"{getattr(tokenizer, 'path', data.tokenizer)} (sha256 {_short(expected)}); prepare "
+                "them again with `longrun data prepare ... --tokenizer` it, or set data.tokenizer "
+                "to the one they were made with")
+        if part.tokenizer_sha256 != shards[0].tokenizer_sha256:
+            raise DataError(
+                f"the shards in {name} were prepared with another tokenizer (sha256 "
+                f"{_short(part.tokenizer_sha256)}) than those in {names[0]} (sha256 "
+                f"{_short(shards[0].tokenizer_sha256)}); a mixture needs one tokenizer")
+        if model.vocab_size < part.vocab_size:
+            raise DataError(
+                f"model.vocab_size = {model.vocab_size} is smaller than the vocabulary of the "
+                f"tokenizer the shards in {name} were prepared with ({part.vocab_size} ids); set "
+                f"model.vocab_size to at least {part.vocab_size}, or leave it out to follow the tokenizer")
+    return TokenCorpus(shards, model.max_seq_len, names)
