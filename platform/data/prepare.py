@@ -257,8 +257,10 @@ class _Bar:
             self._progress.start()
         return self
 
-    def __exit__(self, *_) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         if self._progress:
+            if exc_type is None:  # done: skipped binary files count as read
+                self._progress.update(self._task, completed=self._progress.tasks[0].total)
             self._progress.stop()
 
 
