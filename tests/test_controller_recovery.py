@@ -280,10 +280,14 @@ def test_chaos_random_faults_until_the_end_lose_nothing(cluster, reference, redi
     except JobFailed as exc:
         raise AssertionError(f"{exc}; {replay}") from exc
     assert summary["step"] == STEPS, replay
-    assert summary["restarts"] == count and summary["attempt"] == count, replay
     _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     events = job_status(redis_client, cfg.job.name, events=1000)["events"]
     injected = [e for e in events if e["type"] == "fault_injected"]
-    assert [e["attempt"] for e in injected] == list(range(count)), replay
-    for spec, fired in zip(faults, injected, strict=True):
+    # Each attempt's fault fires unless the attempt resumed at the end already (a fault that
+    # fired after the last step's checkpoint, or a memory snapshot that put the restart past
+    # the next fault's step and its first step was the last): so the faults that fired are
+    # the first ones, one per attempt, and each cost exactly one restart.
+    assert injected and [e["attempt"] for e in injected] == list(range(len(injected))), replay
+    assert summary["restarts"] == summary["attempt"] == len(injected), replay
+    for spec, fired in zip(faults, injected, strict=False):
         assert (fired["fault"], fired["rank"]) == (spec["kind"], spec["rank"]), replay

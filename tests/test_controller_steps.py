@@ -63,6 +63,20 @@ def test_no_diagnostics_goes_straight_to_rendezvous(rig):
     assert c.step() is JobState.RENDEZVOUS
 
 
+def test_a_stop_request_cuts_a_restarts_backoff_short(rig, redis_client):
+    make, launcher, _, sleeps = rig
+    c = make(job("steps-stop-backoff"))
+    drive_to_running(c)
+    launcher.groups[0].script.append([RankEnded(2, kind="dead", detail="rank 2's process died")])
+    assert c.step() is JobState.RECOVERING
+    c.sleep = lambda s: (sleeps.append(s), c.request_preemption("SIGTERM"))  # arrives while waiting
+    assert c.step() is JobState.RECOVERING and sleeps == [1.0]  # 1 s of the 2 s backoff, no launch
+    assert len(launcher.calls) == 1
+    while not c.step().terminal:
+        pass
+    assert c.machine.state is JobState.PREEMPTED and len(launcher.calls) == 1
+
+
 def test_a_dead_rank_restarts_under_the_next_attempt_after_the_backoff(rig, redis_client):
     make, launcher, _, sleeps = rig
     cfg = job("steps-dead")
@@ -73,7 +87,7 @@ def test_a_dead_rank_restarts_under_the_next_attempt_after_the_backoff(rig, redi
     assert c.step() is JobState.RECOVERING
     assert group.stopped and c.group is None
     assert not sleeps  # the backoff is paced by RECOVERING's own step
-    assert c.step() is JobState.PLACING and sleeps == [2.0]
+    assert c.step() is JobState.PLACING and sum(sleeps) == 2.0
     assert c.attempt_number == 1
     assert c.step() is JobState.DIAGNOSING
     assert launcher.calls[-1] == {"attempt": 1, "evicted": set(), "resume_before": None}

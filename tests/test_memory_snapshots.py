@@ -191,12 +191,81 @@ def test_a_corrupted_snapshot_sends_every_rank_to_storage(cluster, reference, re
     assert all(torch.equal(got[n], w) for n, w in reference.items())
 
 
-def test_a_keeper_holds_the_newest_steps_and_snapshots_are_verified():
+def test_a_keeper_holds_the_last_arrivals_and_forgets_an_abandoned_path():
     keeper = SnapshotKeeper()
     blob, digest = serialize({"step": 3, "w": torch.arange(4.0)})
     for step in range(1, 5):
         keeper.put(0, step, blob, digest)
     assert keeper.holdings() == {0: list(range(5 - KEEP_STEPS, 5))}
-    assert torch.equal(read_snapshot(*keeper.get(0, 4))["w"], torch.arange(4.0))
+    # A rollback to step 2 (a skipped bad step): what came after 2 is another path's.
+    keeper.drop_after(2)
+    assert keeper.holdings() == {0: []}
+    keeper.put(0, 3, blob, digest)  # the new path's steps are kept, whatever the old held
+    keeper.put(0, 4, blob, digest)
+    keeper.put(0, 5, blob, digest)
+    assert keeper.holdings() == {0: [4, 5]}
+
+
+def test_a_snapshot_due_while_the_previous_is_sent_waits_for_it_never_skips():
+    """Skipping would depend on each rank's timing, leaving ranks with different steps."""
+    from types import SimpleNamespace
+
+    from longrun.checkpoint.memory import MemorySnapshots
+
+    release, sent = threading.Event(), []
+
+    def send(step, blob, digest):
+        assert release.wait(60), "the first send was never released"
+        sent.append(read_snapshot(blob, digest)["step"])
+
+    snaps = MemorySnapshots(send, every=1)
+    trainer = SimpleNamespace(step=1, state_dict=lambda: {"step": trainer.step, "w": torch.ones(3)})
+    assert snaps.take(trainer)  # its send blocks until released
+    trainer.step = 2
+
+    def release_once_waiting() -> None:
+        while not snaps.waited:  # polling the snapshotter's own state: set before it waits
+            pass
+        release.set()
+
+    helper = threading.Thread(target=release_once_waiting, daemon=True)
+    helper.start()
+    assert snaps.take(trainer)  # returns only after the first send went through
+    snaps.wait()
+    helper.join(5)
+    assert sent == [1, 2] and snaps.waited == 1
+
+
+def test_a_snapshot_is_verified():
+    blob, digest = serialize({"step": 3, "w": torch.arange(4.0)})
+    assert torch.equal(read_snapshot(blob, digest)["w"], torch.arange(4.0))
     with pytest.raises(ValueError, match="does not match its checksum"):
         read_snapshot(blob[:-1] + b"x", digest)
+
+
+def test_a_bad_copy_is_passed_over_for_the_peer_copy(cluster, tmp_path):
+    """Storage only when a snapshot and its peer copy are both unusable."""
+    from longrun.checkpoint.sharding import localize
+    from longrun.trainer import Trainer
+    from longrun.worker.snapshots import restore_from_memory
+
+    cfg = config_from_dict(job("mem-copies", tmp_path).model_dump(mode="json")
+                           | {"cluster": {"device": "cpu"}, "parallelism": {}})
+    with Trainer(cfg, progress=False) as source:
+        source.train(steps=2)
+        blob, digest = serialize(localize(source.state_dict())[0])
+        want = {k: v.clone() for k, v in source.model.state_dict().items()}
+    keeper = ray.remote(num_cpus=0)(SnapshotKeeper)
+    good, bad = (keeper.options(name=f"mem-copies-{n}").remote() for n in ("good", "bad"))
+    ray.get([bad.put.remote(0, 2, blob[:-1] + b"x", digest), good.put.remote(0, 2, blob, digest)])
+    try:
+        with Trainer(cfg, progress=False) as fresh:
+            plan = {"step": 2, "keepers": {"0": ["mem-copies-bad", "mem-copies-good"]}}
+            assert restore_from_memory(fresh, 0, plan, None) == 2
+            assert all(torch.equal(v, want[k]) for k, v in fresh.model.state_dict().items())
+        with Trainer(cfg, progress=False) as fresh:
+            plan = {"step": 2, "keepers": {"0": ["mem-copies-bad", "mem-copies-gone"]}}
+            assert restore_from_memory(fresh, 0, plan, None) is None  # both unusable: storage
+    finally:
+        for actor in (good, bad):
+            ray.kill(actor)

@@ -10,8 +10,10 @@ runs on a side stream and the trainer waits for it only before the optimizer nex
 weights, `before_update`); a background thread then serializes it (this rank's pieces, DTensors
 as local tensors), checksums it (SHA-256) and hands it to `send`, which stores it in this node's
 keeper and the next node's. At most one snapshot is in flight: one due while the previous is
-still being sent is skipped, never waited for (storage checkpoints are what must never be
-skipped; a snapshot is a shortcut to them).
+still being sent waits for it. Waiting, not skipping, is what keeps every rank's snapshots of
+the same steps (a skip would depend on each rank's timing, and a step one rank skipped is
+one no restore can use); where the send outlasts the interval, raise
+`checkpoint.memory_interval_steps`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import io
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +71,7 @@ class MemorySnapshots:
         self.stager = HostStager()
         self.enabled = True
         self.sent_step: int | None = None  # the newest step whose snapshot reached the keepers
-        self.skipped = self.failed = 0
+        self.waited = self.failed = 0  # takes that waited for the previous send; sends that failed
         self._thread: threading.Thread | None = None
         self._pending: Snapshot | None = None  # a host copy the optimizer must not overtake
 
@@ -80,13 +83,18 @@ class MemorySnapshots:
         return self._thread is not None and self._thread.is_alive()
 
     def take(self, trainer) -> bool:
-        """Copy `trainer`'s state to host memory and send it in the background; False when
-        skipped (the previous snapshot is still on its way) or turned off."""
+        """Copy `trainer`'s state to host memory and send it in the background (after the
+        previous one is through); False when turned off."""
         if not self.enabled:
             return False
         if self.busy:
-            self.skipped += 1
-            return False
+            started = time.perf_counter()
+            self.waited += 1
+            self.wait()
+            if self.waited == 1:  # once: the operator's knob, not a flood
+                log.warning("memory snapshot of step %d waited %.2f s for the previous one to be sent; "
+                            "raise checkpoint.memory_interval_steps (now %d) so that training does not",
+                            trainer.step, time.perf_counter() - started, self.every)
         state, _ = localize(trainer.state_dict())
         snapshot = self.stager.stage(state)
         if self.budget is not None and snapshot.nbytes > self.budget:

@@ -66,6 +66,9 @@ class StoreUnavailable(RuntimeError):
     """Redis stayed unreachable past health.store_patience_s: the job record cannot be kept."""
 
 
+BACKOFF_SLICE_S = 1.0  # a restart's backoff is slept in slices, so a stop request is heard
+
+
 class Controller:
     def __init__(self, cfg: JobConfig, redis_url: str, *, poll_s: float | None = None,
                  on_event: Callable[[str], None] | None = None, placement_timeout_s: float = 120.0,
@@ -240,8 +243,12 @@ class Controller:
 
     def _on_recovering(self) -> None:
         recovery = self.machine.history[-1]  # the move into RECOVERING, carrying its decision
-        if recovery.decision.backoff_s:
-            self.sleep(recovery.decision.backoff_s)  # pacing restarts is the point, not synchronisation
+        left = recovery.decision.backoff_s
+        while left > 0 and self.stop_request is None:  # a stop request cuts the wait short
+            self.sleep(min(left, BACKOFF_SLICE_S))  # pacing restarts is the point, not synchronisation
+            left -= BACKOFF_SLICE_S
+        if self.stop_request is not None:
+            return  # the next step() stops the job
         self.attempt = self.attempt.next(recovery)
         self._move(JobState.PLACING, self._placing_reason())
 

@@ -2,13 +2,16 @@
 
 Each rank sends every snapshot to two keepers: its own node's and the next node's in ring order
 over the job's nodes, so a node that is lost (with its keeper) leaves a copy of each of its
-ranks' state behind. A keeper holds the newest two steps of every rank it was sent; two, so the
-newest complete one survives while the next is being sent.
+ranks' state behind. A keeper holds the last two snapshots it was sent of every rank (the last
+to arrive, not the highest steps: after a rollback the new path's steps are lower); two, so the
+newest complete one survives while the next is being sent. Before each attempt, snapshots past
+the step it resumes from are dropped: they belong to a path the job abandoned.
 
 After a fault, `Keepers.plan` picks the newest step every rank has a snapshot of on a live
-keeper (only a step every rank finished counts) and says where each rank reads it; the workers
-verify it (SHA-256) and fall back to storage together if any rank cannot (checkpoint/memory.py,
-worker/actor.py). Keepers are the controller's actors: they go when it goes.
+keeper (only a step every rank finished counts) and lists, per rank, every keeper holding it;
+each worker tries them in turn, verifying (SHA-256), and all fall back to storage together only
+if some rank finds no good copy (checkpoint/memory.py, worker/snapshots.py). Keepers are the
+controller's actors: they go when it goes.
 """
 
 from __future__ import annotations
@@ -39,9 +42,17 @@ class SnapshotKeeper:
 
     def put(self, rank: int, step: int, blob: bytes, digest: str) -> None:
         steps = self._held.setdefault(rank, {})
+        steps.pop(step, None)  # a step sent again (a replay) counts as the newest arrival
         steps[step] = (blob, digest)
-        for old in sorted(steps)[:-KEEP_STEPS]:
-            del steps[old]
+        while len(steps) > KEEP_STEPS:  # dicts keep arrival order: drop the oldest arrival
+            del steps[next(iter(steps))]
+
+    def drop_after(self, step: int) -> None:
+        """Forget every snapshot of a step after `step` (the step the next attempt resumes
+        from): what came after it was trained on a path the job has left."""
+        for steps in self._held.values():
+            for late in [s for s in steps if s > step]:
+                del steps[late]
 
     def get(self, rank: int, step: int) -> tuple[bytes, str]:
         return self._held[rank][step]
@@ -57,20 +68,22 @@ class SnapshotKeeper:
 @dataclass(frozen=True)
 class MemoryRestore:
     step: int
-    keepers: dict[int, str]  # rank -> the name of a keeper holding its snapshot of `step`
+    keepers: dict[int, list[str]]  # rank -> the names of the keepers holding its snapshot of `step`
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "keepers": {str(r): n for r, n in self.keepers.items()}}
+        return {"step": self.step, "keepers": {str(r): names for r, names in self.keepers.items()}}
 
 
-def newest_committed_step(cfg: JobConfig) -> int:
-    """The newest committed checkpoint's step under cfg.checkpoint_dir (0: none): a memory
-    snapshot is used only when it is newer."""
+def newest_committed_step(cfg: JobConfig, before_step: int | None = None) -> int:
+    """The newest committed checkpoint's step under cfg.checkpoint_dir (0: none), below
+    `before_step` if given (what a storage restore would take): a memory snapshot is used only
+    when it is newer."""
     fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
     try:
         steps = committed_steps(fs, root.rstrip("/"))
     except OSError:
         return 0
+    steps = [s for s in steps if before_step is None or s < before_step]
     return steps[-1] if steps else 0
 
 
@@ -96,14 +109,16 @@ class Keepers:
         """A live keeper on each of `node_ids`, ready (its name resolvable) before any worker
         looks it up."""
         cls = ray.remote(num_cpus=0, max_restarts=0)(SnapshotKeeper)
-        started = {}
+        started = []
         for node in node_ids:
             if node not in self._actors:
-                started[node] = cls.options(
-                    name=keeper_name(self.job, node),
+                # Recorded at once, so close() finds it even if it never answers; get_if_exists:
+                # a keeper an earlier call started but could not confirm is taken, not clashed with.
+                self._actors[node] = cls.options(
+                    name=keeper_name(self.job, node), get_if_exists=True,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-        ray.get([actor.holdings.remote() for actor in started.values()], timeout=timeout_s)
-        self._actors.update(started)
+                started.append(self._actors[node])
+        ray.get([actor.holdings.remote() for actor in started], timeout=timeout_s)
 
     def plan(self, world_size: int, *, newer_than: int, before_step: int | None,
              timeout_s: float = 10.0) -> MemoryRestore | None:
@@ -111,23 +126,28 @@ class Keepers:
         `newer_than` (the newest committed checkpoint) and below `before_step` (a restore the
         policy wants from before a bad step); None otherwise. Keepers that died (with their
         node) are dropped."""
-        held: dict[int, dict[int, str]] = {}  # step -> rank -> keeper name
+        held: dict[int, dict[int, list[str]]] = {}  # step -> rank -> keeper names
         for node, actor in list(self._actors.items()):
             try:
                 holdings = ray.get(actor.holdings.remote(), timeout=timeout_s)
             except (RayError, ray.exceptions.GetTimeoutError) as exc:
                 log.warning("snapshot keeper on node %s is gone (%s)", node[:12], exc)
+                ray.kill(actor, no_restart=True)  # a slow one too: its name is free for a new one
                 del self._actors[node]
                 continue
             for rank, steps in holdings.items():
                 for step in steps:
-                    held.setdefault(step, {}).setdefault(rank, keeper_name(self.job, node))
+                    held.setdefault(step, {}).setdefault(rank, []).append(keeper_name(self.job, node))
         usable = [s for s, ranks in held.items() if len(ranks) == world_size and s > newer_than
                   and (before_step is None or s < before_step)]
         if not usable:
             return None
         step = max(usable)
         return MemoryRestore(step, dict(sorted(held[step].items())))
+
+    def drop_after(self, step: int) -> None:
+        """Every keeper forgets the snapshots of steps after `step` (see SnapshotKeeper)."""
+        ray.get([actor.drop_after.remote(step) for actor in self._actors.values()], timeout=30.0)
 
     def close(self) -> None:
         for actor in self._actors.values():

@@ -125,8 +125,13 @@ class RayWorkerGroup:
         return self._blame_lost_nodes([outcome(ref, self._runs.pop(ref)) for ref in done])
 
     def draining(self) -> dict[str, float]:
-        """The group's nodes Ray is draining -> the unix time they must be empty by (0: none)."""
-        return draining_nodes(set(self.node_ids))
+        """The group's nodes Ray is draining -> the unix time they must be empty by (0: none);
+        none while Ray's control store cannot say (restarting): asked again next interval."""
+        try:
+            return draining_nodes(set(self.node_ids))
+        except Exception as exc:  # Ray's internal state API raises whatever its RPC raised
+            log.warning("cannot ask Ray which nodes it is draining (%s)", last_line(exc))
+            return {}
 
     def _blame_lost_nodes(self, ended: list[RankEnded]) -> list[RankEnded]:
         """Dead ranks whose node Ray reports dead: the node is the fault (`node_lost`, once per
@@ -208,8 +213,13 @@ class RayLauncher:
         return RayWorkerGroup(self.placement, actors)
 
     def spare_nodes(self, cfg: JobConfig, evicted: Iterable[str]) -> int | None:
-        """Live nodes beyond the job's (never evicted) that could replace one of its nodes."""
-        return spare_nodes(cfg, alive_nodes(), evicted)
+        """Live nodes beyond the job's (never evicted) that could replace one of its nodes;
+        None (unknown) while Ray's control store cannot list them."""
+        try:
+            return spare_nodes(cfg, alive_nodes(), evicted)
+        except Exception as exc:  # a GCS restart must not end the controller
+            log.warning("cannot list Ray's nodes (%s)", last_line(exc))
+            return None
 
     def warm_spares(self) -> None:
         """Start and warm the next attempt's spares (called once the attempt trains, so their
@@ -230,12 +240,19 @@ class RayLauncher:
         nodes = self.placement.node_ids
         if self.keepers is None:
             self.keepers = Keepers(cfg.job.name)
+        # A shortcut: never a reason to fail. A keeper that did not start costs its node's
+        # snapshots, not the restore the others hold.
         try:
             self.keepers.ensure(nodes)
-            restore = self.keepers.plan(cfg.world_size, newer_than=newest_committed_step(cfg),
-                                        before_step=resume_before_step)
-        except (RayError, ray.exceptions.GetTimeoutError) as exc:  # a shortcut: never a reason to fail
-            log.warning("memory snapshots off for this attempt: their keepers did not start (%s)", exc)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("a snapshot keeper did not start (%s); its ranks' snapshots are off", exc)
+        stored = newest_committed_step(cfg, before_step=resume_before_step)
+        try:
+            restore = self.keepers.plan(cfg.world_size, newer_than=stored, before_step=resume_before_step)
+            # What follows the step this attempt resumes from was trained on a path it leaves.
+            self.keepers.drop_after(restore.step if restore else stored)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("memory snapshots off for this attempt: the keepers did not answer (%s)", exc)
             return [None] * cfg.world_size
         return [{"targets": keeper_targets(nodes, rank, cfg.cluster.workers_per_node, cfg.job.name),
                  "restore": restore.to_dict() if restore else None} for rank in range(cfg.world_size)]

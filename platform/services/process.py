@@ -68,7 +68,9 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_sentinel_with_parent if tree else _die_with_parent,
-            env=env,
+            # The sentinel checks it still has this parent once its handler is in place.
+            env={**(os.environ if env is None else env), "LONGRUN_SENTINEL_PARENT": str(os.getpid())}
+            if tree else env,
         )
         with _live_lock:
             _live.add(self)

@@ -40,6 +40,9 @@ def _session() -> list[int]:
     return found
 
 
+PARENT_ENV = "LONGRUN_SENTINEL_PARENT"  # the pid that started the sentinel
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -58,14 +61,18 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -I sentinel.py COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    child = subprocess.Popen(argv)
-
     def on_term(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the session-wide SIGTERM reaches us too
         stop_session()
         os._exit(128 + signum)
 
+    # The handler first, then the check, then the command: longrun dying at any moment of the
+    # start-up (its parent-death SIGTERM) takes down whatever has started by then.
     signal.signal(signal.SIGTERM, on_term)
+    parent = os.environ.get(PARENT_ENV)
+    if parent is not None and os.getppid() != int(parent):  # died before prctl took effect
+        return 1
+    child = subprocess.Popen(argv)
     code = child.wait()
     stop_session()  # whatever the command left behind
     return code

@@ -157,9 +157,10 @@ class TrainWorker:
                                                 redis_url=self.redis_url, node_ids=self.node_ids,
                                                 device=device)
             metrics.observe_init_timings(groups.timings)
-        # A job starting from a Hugging Face model reads it only when nothing will be restored.
-        resuming = bool(cfg.model.init_from) and (
-            (self.snapshots or {}).get("restore") is not None or has_committed_checkpoint(cfg))
+        # A job starting from a Hugging Face model reads it unless a committed checkpoint will
+        # replace it (a memory snapshot alone is not enough: if it fails verification, storage
+        # may hold nothing to fall back to).
+        resuming = bool(cfg.model.init_from) and has_committed_checkpoint(cfg)
         trainer, replicas = build_trainer(cfg, groups, device, resuming=resuming)
         with trainer:
             hooks = StepHooks(beat, metrics)

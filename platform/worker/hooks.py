@@ -120,5 +120,6 @@ class StepHooks:
         self.metrics.observe_restore(source, seconds)
         if step is None:
             return
-        self.metrics.checkpoint_committed(step, committed_at)
+        if source == "storage":  # a memory snapshot is no committed checkpoint: the age alert stays true
+            self.metrics.checkpoint_committed(step, committed_at)
         self.beat.update(step=step, resumed_from=step)

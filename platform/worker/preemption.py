@@ -15,12 +15,15 @@ is written once and never lowered; a rank that reads a step ahead of its own kee
 from __future__ import annotations
 
 import logging
+import time
 
 import redis
 
 from longrun import keys
 
 log = logging.getLogger(__name__)
+
+READ_RETRY_S = 20.0
 
 # GET the key; "now" becomes the step after the caller's (ARGV[1]). Returns the step or nil.
 _CLAIM = """
@@ -55,14 +58,25 @@ class PreemptionWatch:
         self.target: int | None = None
 
     def stop_after(self, step: int) -> bool:
-        """Whether every rank stops after `step` (which this rank has just finished). A Redis
-        that cannot be reached says no: training goes on and the next boundary asks again."""
-        try:
-            found = self._claim(keys=[self._key], args=[step + 1])
-        except (redis.RedisError, OSError) as exc:
-            log.warning("could not read the stop request (%s); asking again at the next step", exc)
-            return False
-        if found is None:
-            return False
-        self.target = int(found)
-        return self.target == step
+        """Whether every rank stops after `step` (which this rank has just finished). The key
+        must be read at every boundary (a rank that missed the one its peers stop at would
+        train on into a step they never join), so an unreachable Redis is retried for up to
+        READ_RETRY_S and then fails this rank (a restart), never skipped."""
+        if self.target is None:
+            deadline = time.monotonic() + READ_RETRY_S
+            while True:
+                try:
+                    found = self._claim(keys=[self._key], args=[step + 1])
+                    break
+                except (redis.RedisError, OSError) as exc:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"cannot read the stop request from Redis for {READ_RETRY_S:g} s "
+                                           f"({exc})") from exc
+                    log.warning("could not read the stop request (%s); retrying", exc)
+                    time.sleep(0.5)  # Redis restarting: the claim must happen at this boundary
+            if found is None:
+                return False
+            self.target = int(found)
+        # <=, not ==: a target inside a skipped window is passed, not matched (no rank trains
+        # it, so the first step every rank trains after it is where they all stop).
+        return self.target <= step

@@ -59,13 +59,16 @@ def restore_from_memory(trainer, rank: int, restore: dict[str, Any],
                         world_group: dist.ProcessGroup | None) -> int | None:
     """Load the step `restore` names from the keepers into `trainer`; the step, or None when
     any rank could not (then nothing was loaded anywhere). Collective over `world_group`."""
-    state, problem = None, None
-    try:
-        keeper = ray.get_actor(restore["keepers"][str(rank)])
-        blob, digest = ray.get(keeper.get.remote(rank, restore["step"]), timeout=FETCH_TIMEOUT_S)
-        state = read_snapshot(blob, digest)
-    except Exception as exc:  # a keeper gone with its node, a checksum off: storage instead
-        problem = f"{type(exc).__name__}: {exc}"
+    state, problems = None, []
+    for name in restore["keepers"][str(rank)]:  # this node's copy, then the peer's
+        try:
+            keeper = ray.get_actor(name)
+            blob, digest = ray.get(keeper.get.remote(rank, restore["step"]), timeout=FETCH_TIMEOUT_S)
+            state = read_snapshot(blob, digest)
+            break
+        except Exception as exc:  # a keeper gone with its node, a checksum off: the next copy
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+    problem = "; ".join(problems) if state is None else None
     if not all_ranks_ok(problem is None, world_group):
         log.warning("memory snapshot of step %d unusable (%s); restoring from storage", restore["step"],
                     problem or "another rank could not read or verify its snapshot")
