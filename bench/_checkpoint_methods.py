@@ -10,6 +10,7 @@ import statistics
 import time
 
 import torch
+from _common import evict
 
 from longrun.checkpoint.writer import fsync_dir  # a durable save also syncs its directory
 
@@ -19,19 +20,6 @@ METHODS = ("longrun", "sync", "dcp", "dcp_cached", "memcpy")
 def sync_device() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def evict(path: str) -> None:
-    """Drop the (clean, fsynced) pages of every file under `path` from the page cache, so the
-    next read comes from the disk. No root needed."""
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def same_weights(a, b) -> bool:
@@ -147,17 +135,14 @@ class Bench:
     def breakdown(self, reps: int) -> dict[str, float]:
         """Where longrun's blocking time goes, with the writer idle: building the state dict,
         and the stage copy (HostStager.stage of the same shards save() stages, until ready)."""
-        from longrun.checkpoint.manifest import model_shard_name, rank_shard_name, split_state
-
         self.ckpt.flush()
         times: dict[str, list[float]] = {"state_dict_s": [], "stage_s": []}
         for _ in range(reps):
             start = time.perf_counter()
             state = self.trainer.state_dict()
             times["state_dict_s"].append(time.perf_counter() - start)
-            replicated, per_rank = split_state(state)
             start = time.perf_counter()
-            snap = self.ckpt.stager.stage({rank_shard_name(0): per_rank, model_shard_name(0): replicated})
+            snap = self.ckpt.stager.stage(self.ckpt.files_of(state))
             snap.wait()
             times["stage_s"].append(time.perf_counter() - start)
         return {k: statistics.median(v) for k, v in times.items()}

@@ -6,6 +6,7 @@ they spawn too) and `import _common` finds this file."""
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import socket
 import sys
@@ -45,3 +46,16 @@ def listen_port() -> int:
                 continue
         return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def evict(path: str) -> None:
+    """Drop the (clean, fsynced) pages of every file under `path` from the page cache, so the
+    next read comes from the disk. No root needed."""
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)

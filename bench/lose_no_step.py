@@ -30,8 +30,7 @@ import tempfile
 import time
 
 import torch
-from _checkpoint_methods import evict
-from _common import logger, parser
+from _common import evict, logger, parser
 
 log = logger("lose_no_step")
 

@@ -14,9 +14,10 @@ micro-batches, optimizer settings and LR schedule:
   plain   - the loop one would write by hand: forward, F.cross_entropy(reduction='sum') /
             loss tokens, backward, clip_grad_norm_, fused AdamW (weight decay on matrices
             only, as build_optimizer), LambdaLR step. It is fed micro-batches pre-built once,
-            before timing, from the same corpus and sampler (`packed_micro_batches` over
-            `build_corpus` + `DocumentSampler(seed=job.seed)`), i.e. the exact stream the
-            Trainer's prefetcher produces; so the plain loop pays nothing for data.
+            before timing, from the same corpus and sampler (`global_batches` over
+            `build_corpus` + `DocumentSampler(seed=job.seed)`, each packed by
+            `data_parallel_step`), i.e. the exact stream the Trainer's prefetcher produces;
+            so the plain loop pays nothing for data.
 Equal work is checked, not assumed: step k of both sides uses micro-batch k of that stream;
 after every longrun step its reported token count must equal the pre-built batch's (else the
 run aborts), and the two losses of each step are compared (`loss_max_abs_diff`: 0.0 on fp32
@@ -53,7 +54,9 @@ from _common import logger, parser
 from _trainer_overhead_sides import Longrun, Plain
 
 from longrun.config import config_from_dict
-from longrun.trainer import ByteTokenizer, DocumentSampler, build_corpus, packed_micro_batches
+from longrun.trainer import ByteTokenizer, DocumentSampler, build_corpus
+from longrun.trainer.packing import global_batches
+from longrun.trainer.step import data_parallel_step
 
 MODELS = {
     "small": {"dim": 256, "n_layers": 4, "n_heads": 4, "max_seq_len": 512},
@@ -80,12 +83,15 @@ def prebuild(cfg, n_steps: int):
     """The micro-batch stream the Trainer's prefetcher will produce, grouped per step; and the
     mean seconds it took to produce one micro-batch (reading and packing)."""
     corpus = build_corpus(cfg.data, cfg.model, ByteTokenizer(cfg.model.vocab_size), cfg.job.seed)
-    stream = packed_micro_batches(corpus, DocumentSampler(len(corpus), seed=cfg.job.seed),
-                                  cfg.data.micro_batch_tokens)
-    accum = cfg.training.grad_accum
+    # What the Trainer's feed does alone: a global batch of global_batch_tokens, packed into
+    # micro-batches of micro_batch_tokens (`data_parallel_step` for a span of one rank).
+    stream = global_batches(corpus, DocumentSampler(len(corpus), seed=cfg.job.seed),
+                            cfg.global_batch_tokens)
     start = time.perf_counter()
-    batches = [[next(stream) for _ in range(accum)] for _ in range(n_steps)]
-    return batches, (time.perf_counter() - start) / (n_steps * accum)
+    batches = [[w.inputs for w in data_parallel_step(next(stream), corpus, 0, 1,
+                                                     cfg.data.micro_batch_tokens).micro_batches]
+               for _ in range(n_steps)]
+    return batches, (time.perf_counter() - start) / sum(len(b) for b in batches)
 
 
 def timed_step(side, k: int, expected: list[int], losses: dict) -> dict:

@@ -38,7 +38,9 @@ LAST_EVENTS = 5
 
 _STATE = re.compile(r"state (" + "|".join(JobState) + r"): (.*)")
 _STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
-_EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume): (.*)$")
+_EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume|waiting_for_nodes|grow_requested|"
+                    r"resized): (.*)$")
+_RESIZED = re.compile(r"-> (\d+) node\(s\), \d+ -> (\d+) rank\(s\)")  # the controller's "resized" event
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -54,6 +56,9 @@ class ControllerView:
     evicted: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     source: str = "the controller's log"
+    # Nodes and ranks the job runs with, e.g. "2 of 3 node(s), 4 rank(s)": fewer than configured
+    # while an elastic job is shrunk (recovery.min_nodes). None: not known (an older controller).
+    size: str | None = None
 
 
 def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
@@ -71,6 +76,8 @@ def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
             view.events.append(line)
             if m.group(1) == "evicted":
                 view.evicted.append(m.group(2).split()[1])
+            elif m.group(1) == "resized" and (size := _RESIZED.search(m.group(2))):
+                view.size = f"{size.group(1)} node(s), {size.group(2)} rank(s)"
     view.events = view.events[-last_events:]
     return view
 
@@ -157,7 +164,7 @@ def view_of_record(status: dict[str, Any], source: str) -> ControllerView:
         state=status["state"], reason=fields.get("reason", ""), attempt=status["attempt"],
         step=f"{status['step']}/{steps}" if steps else str(status["step"]),
         loss=float(loss) if loss is not None else None, evicted=sorted(status["evicted"]),
-        events=[event_line(e) for e in status["events"]], source=source)
+        events=[event_line(e) for e in status["events"]], source=source, size=fields.get("size"))
 
 
 def event_line(event: dict[str, Any]) -> str:

@@ -107,8 +107,7 @@ class ParallelDims:
     @property
     def degrees(self) -> dict[str, int]:
         """{"dp", "fsdp", "cp", "tp", "pp"}: what a checkpoint records of the layout it was
-        written at (the pieces of its weights depend on fsdp and tp; its data positions on dp,
-        fsdp and cp)."""
+        written at (for information: any layout restores it)."""
         return {name: getattr(self, name) for name in _SIZES}
 
     @property

@@ -132,8 +132,7 @@ def resume_from_own_checkpoint(rank: int, world: int, init_file: str, results, p
 
         def checkpointer(attempt):
             return Checkpointer(cfg, rank=rank, world_size=world, dp_rank=replicas.rank,
-                                dp_size=replicas.size, shard=replicas.shard,
-                                ledger=RedisCommitLedger(client, job, attempt))
+                                dp_size=replicas.size, ledger=RedisCommitLedger(client, job, attempt))
 
         with _trainer(cfg, groups) as straight:
             straight.train()
@@ -145,10 +144,12 @@ def resume_from_own_checkpoint(rank: int, world: int, init_file: str, results, p
             ckpt.close()
         dist.barrier()  # attempt 0 is over everywhere: step 2 (and with `corrupt` 3) is committed
         if corrupt and rank == 0:
-            from longrun.checkpoint.layout import step_dir_name
-            from longrun.checkpoint.manifest import model_shard_name
+            import glob
 
-            path = f"{root}/{step_dir_name(3)}/{model_shard_name(cfg.dims.shards - 1)}"
+            from longrun.checkpoint.layout import step_dir_name
+
+            # The last data file: the pieces of the last shard.
+            path = sorted(glob.glob(f"{root}/{step_dir_name(3)}/*.distcp"))[-1]
             with open(path, "r+b") as f:
                 f.seek(100)
                 byte = f.read(1)
@@ -230,6 +231,89 @@ def resume_from_memory_snapshot(rank: int, world: int, init_file: str, results, 
             second.train()
             got = full_weights(second)
         results.put((rank, all(torch.equal(got[k], want[k]) for k in want)))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def _full_state(trainer) -> dict:
+    """Every tensor of the model and optimizer state, whole (gathered), by its checkpoint name;
+    plus the plain values a resume needs."""
+    from longrun.checkpoint.dcp_format import fqn_of, tensor_leaves
+
+    state = trainer.state_dict()
+    tensors = {fqn_of(path): _full(t).detach().clone() for path, t in tensor_leaves(state)}
+    return {"tensors": tensors, "step": state["step"], "data": state["data"],
+            "scheduler": state["scheduler"]}
+
+
+def save_at_layout(rank: int, world: int, init_file: str, results, parallelism: dict,
+                   redis_url: str, root: str, job: str, interval: int = 3) -> None:
+    """Train 3 steps at `parallelism`, checkpointing every `interval` steps and at step 3; rank 0
+    keeps the whole state (gathered from the pieces) in `root`/../saved.pt for the restoring
+    world to compare with."""
+    try:
+        dist = _join(rank, world, init_file)
+        import redis
+        import torch
+
+        from longrun.checkpoint import Checkpointer, RedisCommitLedger
+        from longrun.commgroup import form_groups, single_node_layout
+        from longrun.worker.setup import replicas_of
+
+        cfg = layout_config(parallelism, world, job={"name": job},
+                            checkpoint={"dir": root, "interval_steps": interval}, training={"steps": 3})
+        groups = form_groups(single_node_layout(cfg.dims), rank)
+        replicas = replicas_of(groups)
+        with _trainer(cfg, groups) as trainer:
+            ckpt = Checkpointer(cfg, rank=rank, world_size=world, dp_rank=replicas.rank,
+                                dp_size=replicas.size,
+                                ledger=RedisCommitLedger(redis.Redis.from_url(redis_url), job, 0))
+            trainer.before_update.append(ckpt.before_update)
+            trainer.train(on_step=ckpt.on_step(trainer))
+            ckpt.close()
+            full = _full_state(trainer)
+        if rank == 0:
+            torch.save(full, f"{root}/../saved.pt")
+        results.put((rank, "saved"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def restore_at_layout(rank: int, world: int, init_file: str, results, parallelism: dict,
+                      redis_url: str, root: str, job: str) -> None:
+    """A fresh trainer at `parallelism` restores the newest checkpoint under `root`, whatever
+    layout wrote it; reports whether its whole state equals the saved one, bit for bit, and
+    the tensor bytes this rank read."""
+    try:
+        dist = _join(rank, world, init_file)
+        import redis
+        import torch
+
+        from longrun.checkpoint import Checkpointer, RedisCommitLedger
+        from longrun.commgroup import form_groups, single_node_layout
+        from longrun.worker.setup import replicas_of
+
+        cfg = layout_config(parallelism, world, checkpoint={"dir": root})
+        groups = form_groups(single_node_layout(cfg.dims), rank)
+        replicas = replicas_of(groups)
+        saved = torch.load(f"{root}/../saved.pt", weights_only=True)
+        with _trainer(cfg, groups) as trainer:
+            # A later attempt of the saving job: the ranks vote in its ledger on each step.
+            ckpt = Checkpointer(cfg, rank=rank, world_size=world, dp_rank=replicas.rank,
+                                dp_size=replicas.size,
+                                ledger=RedisCommitLedger(redis.Redis.from_url(redis_url), job, 1))
+            restored = ckpt.restore(trainer, world_group=dist.group.WORLD, dp_group=replicas.group)
+            got = _full_state(trainer)
+            ckpt.writer.close()
+        same = (got["tensors"].keys() == saved["tensors"].keys()
+                and all(torch.equal(got["tensors"][k], saved["tensors"][k]) for k in saved["tensors"])
+                and (got["step"], got["data"], got["scheduler"]) == (saved["step"], saved["data"],
+                                                                      saved["scheduler"]))
+        results.put((rank, restored.step, same, restored.bytes_read, replicas.rank,
+                     restored.written_by is not None, [step for step, _ in restored.skipped]))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))

@@ -40,6 +40,19 @@ def test_a_multi_process_bench_runs_its_world_end_to_end():
     assert result["world"] == 2 and result["params"] > 0 and result["longrun_step_s"] > 0
 
 
+def test_the_resharding_bench_saves_at_fsdp4_and_restores_at_fsdp2():
+    # bench/reshard.py: a world of 4 saves (longrun, DCP async and sync), a world of 2 restores
+    # (longrun, dcp.load of both directories) and checks every restore bit for bit; one rep.
+    out = _run("--quick", "--reps", "1", script="reshard.py")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (result["save_fsdp"], result["restore_fsdp"], result["bitwise_equal"]) == (4, 2, True)
+    assert min(result["restore_s"], result["dcp_load_s"], result["dcp_load_longrun_files_s"]) > 0
+    assert min(result["blocking_s"], result["dcp_sync_s"], result["dcp_async_blocking_s"]) > 0
+    # Each FSDP 2 rank reads only the records its half overlaps, not the whole checkpoint.
+    assert all(0 < read < 0.75 * result["longrun_bytes"] for read in result["bytes_read_per_rank"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 def test_mfu_benchmark_skips_without_a_gpu():
     out = _run()

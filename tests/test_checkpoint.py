@@ -30,8 +30,10 @@ from longrun.checkpoint import (
     layout,
     restore_latest,
 )
-from longrun.checkpoint.manifest import model_shard_name, rank_shard_name
-from longrun.checkpoint.restore import load_shard, read_manifest
+from longrun.checkpoint.catalog import verify_shards
+from longrun.checkpoint.dcp_format import METADATA_FILE, data_file_name
+from longrun.checkpoint.manifest import TRAIN_STATE, rank_shard_name
+from longrun.checkpoint.restore import read_manifest
 from longrun.trainer import Trainer
 
 TESTS = Path(__file__).parent
@@ -49,7 +51,9 @@ def _train(cfg, steps=None, ckpt_cfg=None):
 
 def _restore(cfg):
     fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
-    return restore_latest(fs, root, model=cfg.model.model_dump(mode="json"))
+    with Trainer(cfg, progress=False) as trainer:
+        return restore_latest(fs, root, model=cfg.model.model_dump(mode="json"),
+                              template=trainer.state_dict)
 
 
 # --- resume ----------------------------------------------------------------------------------
@@ -81,8 +85,10 @@ def test_world_of_four_resumes_bitwise_reading_the_model_once(tmp_path, redis_se
     assert sorted(out) == [(r, 3, True) for r in range(4)]
     fs, base = fsspec.core.url_to_fs(root)
     manifest = read_manifest(fs, base, 8)
-    # The replicated state is written once for the data-parallel group, not once per rank.
-    assert sorted(manifest.files) == [model_shard_name(0)] + [rank_shard_name(r) for r in range(4)]
+    # The replicated state is written once for the data-parallel group (by rank 0), not once
+    # per rank; every rank writes its own RNG streams.
+    assert sorted(manifest.files) == sorted([METADATA_FILE, data_file_name(0), TRAIN_STATE]
+                                            + [rank_shard_name(r) for r in range(4)])
     assert manifest.world_size == 4 and manifest.dp_size == 4
 
 
@@ -131,8 +137,8 @@ def test_sigkill_mid_save_always_leaves_a_complete_verifying_checkpoint(tmp_path
         assert restored.step == committed[-1] > newest, (kill, committed, newest)
         for step in committed:
             manifest = read_manifest(fs, base, step)
-            for name, info in manifest.files.items():
-                load_shard(fs, base, step, name, info)  # raises on a checksum mismatch
+            checks = verify_shards(fs, base, step, manifest)  # every file re-hashed
+            assert checks and all(c.status == "OK" for c in checks), checks
         newest = restored.step
     # Not an assertion about the feature, a check that the test exercised it: at least one
     # kill landed while a save was being written.
@@ -153,7 +159,7 @@ def two_checkpoints(tmp_path):
 
 def test_a_flipped_byte_in_a_shard_falls_back_to_the_previous_checkpoint(two_checkpoints, caplog):
     cfg, root = two_checkpoints
-    shard = root / layout.step_dir_name(6) / model_shard_name(0)
+    shard = root / layout.step_dir_name(6) / data_file_name(0)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -179,12 +185,12 @@ def test_a_checkpoint_of_another_model_shape_is_refused_clearly(two_checkpoints)
         Checkpointer(wider).restore(trainer)
 
 
-def test_a_checkpoint_of_another_layout_is_refused(two_checkpoints):
+def test_a_checkpoint_of_the_earlier_format_is_refused_clearly(two_checkpoints):
     cfg, root = two_checkpoints
-    fs = fsspec.filesystem("file")
-    with pytest.raises(CheckpointMismatchError, match="written by 1 ranks"):
-        restore_latest(fs, str(root), model=cfg.model.model_dump(mode="json"), world_size=2,
-                       dp_size=2, rank=1, dp_rank=1)
+    path = root / layout.step_dir_name(6) / layout.MANIFEST
+    path.write_text(path.read_text().replace('"format": 2', '"format": 1'))
+    with pytest.raises(CheckpointMismatchError, match=r"earlier longrun \(checkpoint format 1"):
+        _restore(cfg)
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
@@ -193,9 +199,11 @@ def test_no_checkpoint_means_a_fresh_start(tmp_path):
 
 def test_shards_load_with_weights_only(two_checkpoints):
     _, root = two_checkpoints
-    shard = root / layout.step_dir_name(6) / rank_shard_name(0)
-    state = torch.load(shard, weights_only=True)  # no arbitrary pickles anywhere
-    assert set(state) == {"step", "data", "rng"} and state["step"] == 6
+    step_dir = root / layout.step_dir_name(6)
+    # No arbitrary pickles anywhere: every file longrun reads back loads with weights_only.
+    assert set(torch.load(step_dir / rank_shard_name(0), weights_only=True)) == {"rng"}
+    state = torch.load(step_dir / TRAIN_STATE, weights_only=True)
+    assert set(state) == {"step", "scheduler", "data", "model", "optimizer"} and state["step"] == 6
     assert json.loads((root / layout.step_dir_name(6) / layout.MANIFEST).read_text())["step"] == 6
 
 
@@ -327,3 +335,26 @@ def test_a_rank_that_never_reports_aborts_the_commit_naming_it(tmp_path):
     writer.close()
     assert layout.committed_steps(fs, root) == []
     assert layout.abandoned_tmp_dirs(fs, root) == [f"{root}/{layout.tmp_dir_name(7)}"]
+
+
+# --- agreeing on a step ------------------------------------------------------------------------
+
+
+def test_the_restore_vote_names_a_rank_that_never_answers(redis_client):
+    """Ranks vote in the commit ledger on whether they could read and verify a step; a rank
+    that never votes (a slow or dead reader) is named after the timeout instead of hanging
+    every rank in a collective, and a veto decides at once."""
+    from longrun.checkpoint.commit import AgreementTimeout, RedisCommitLedger
+
+    ledgers = [RedisCommitLedger(redis_client, "vote", attempt=0) for _ in range(3)]
+    votes: dict[int, bool] = {}
+    threads = [threading.Thread(target=lambda r=r: votes.__setitem__(
+        r, ledgers[r].agree("restore-5", r, True, 3, timeout_s=30))) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert votes == {0: True, 1: True, 2: True}
+    assert ledgers[0].agree("restore-4", 0, False, 3, timeout_s=30) is False  # no wait for 1, 2
+    with pytest.raises(AgreementTimeout, match=r"ranks 1, 2 did not finish"):
+        ledgers[0].agree("restore-3", 0, True, 3, timeout_s=0.2)

@@ -74,7 +74,7 @@ def test_list_shows_both_steps_and_marks_latest(ckpt, cli):
     assert [s["latest"] for s in listing["steps"]] == [False, True]
     assert listing["latest"] == 4 and listing["pending"] == []
     step4 = listing["steps"][1]
-    assert step4["shards"] == 2 and (step4["world_size"], step4["dp_size"]) == (1, 1)
+    assert step4["shards"] == 4 and (step4["world_size"], step4["dp_size"]) == (1, 1)
     files = [p for p in Path(step4["path"]).iterdir() if p.name != "manifest.json"]
     assert step4["total_bytes"] == sum(p.stat().st_size for p in files)
 
@@ -138,25 +138,25 @@ def test_inspect_shows_manifest_model_and_parameter_count(ckpt, cli):
 def test_inspect_verify_passes_on_a_whole_checkpoint(ckpt, cli):
     code, out, _ = cli("checkpoint", "inspect", ckpt.root, "--verify")
     assert code == 0
-    assert "all 2 shards OK" in out and "CORRUPT" not in out
+    assert "all 4 shards OK" in out and "CORRUPT" not in out
 
 
 def test_inspect_verify_reports_a_flipped_byte(ckpt, cli, tmp_path):
     root = _copy(ckpt, tmp_path)
-    shard = root / "step-00000004" / "model-00000.pt"
+    shard = root / "step-00000004" / "__0_0.distcp"  # the model's and optimizer's tensors
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    data[100] ^= 0x01  # in the first record: a weight
     shard.write_bytes(bytes(data))
     code, out, _ = cli("checkpoint", "inspect", root, "--verify")
     assert code == 1
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 2}
-    assert "CORRUPT" in rows["model-00000.pt"] and "SHA-256 differs" in rows["model-00000.pt"]
+    assert "CORRUPT" in rows["__0_0.distcp"] and "SHA-256 differs" in rows["__0_0.distcp"]
     assert "OK" in rows["rank-00000.pt"]
     assert "weights unreadable" in out  # the parameter count needs a verified shard
 
     checks = json.loads(cli("checkpoint", "inspect", root, "--verify", "--json")[1])["checks"]
-    assert {c["name"]: c["status"] for c in checks} == {"model-00000.pt": "CORRUPT",
-                                                         "rank-00000.pt": "OK"}
+    assert {c["name"]: c["status"] for c in checks} == {"__0_0.distcp": "CORRUPT", ".metadata": "OK",
+                                                         "train-state.pt": "OK", "rank-00000.pt": "OK"}
     # The export refuses it too (the shard is verified on the way), and writes nothing.
     code, _, err = cli("checkpoint", "export", root, "--out", tmp_path / "m.safetensors")
     assert code == 1 and "does not match its checksum" in err

@@ -283,13 +283,13 @@ def test_the_trainer_plans_the_next_global_batch_in_its_data_thread(monkeypatch)
         "training": {"steps": 2, "grad_accum": 2, "warmup_steps": 1},
     })
     threads = []
-    real = cp_batches.plan_step
+    real = cp_batches.plan_global_batch
 
     def recording(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cp_batches, "plan_step", recording)
+    monkeypatch.setattr(cp_batches, "plan_global_batch", recording)
     setup = cp_batches.one_rank_setup(COST, cfg.dims)
     with Trainer(cfg, "cpu", context_parallel=setup, progress=False) as trainer:
         metrics = trainer.train()

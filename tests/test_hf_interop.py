@@ -341,5 +341,5 @@ def test_init_from_is_not_part_of_the_shape_a_checkpoint_must_match():
     model = ModelSection(**TINY).model_dump(mode="json")
     older = {k: v for k, v in model.items() if k != "init_from"}  # before the field existed
     manifest = Manifest(step=1, world_size=1, dp_size=1, model=older, config_fingerprint="x")
-    assert manifest.incompatibility(model | {"init_from": "/models/llama"}, 1, 1) is None
-    assert "dim: checkpoint 64 vs job 128" in manifest.incompatibility(model | {"dim": 128}, 1, 1)
+    assert manifest.incompatibility(model | {"init_from": "/models/llama"}) is None
+    assert "dim: checkpoint 64 vs job 128" in manifest.incompatibility(model | {"dim": 128})

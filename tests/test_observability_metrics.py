@@ -59,6 +59,9 @@ CONTROLLER_FAMILIES = {
     "longrun_diagnostics_ok": ("gauge", {"node", "check"}),
     "longrun_diagnostics_duration_seconds": ("gauge", {"node", "check"}),
     "longrun_group_init_seconds": ("gauge", {"phase"}),
+    "longrun_elastic_resizes": ("counter", {"direction"}),
+    "longrun_job_nodes": ("gauge", set()),
+    "longrun_job_world_size": ("gauge", set()),
 }
 
 

@@ -17,10 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import fsspec
 import psutil
 import pytest
 import torch
 import yaml
+
+from longrun.checkpoint.catalog import load_model_weights
+from longrun.checkpoint.restore import read_manifest
 
 STEPS = 24
 GRACE_S = 60
@@ -76,8 +80,8 @@ def read_until_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> 
 
 
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    path = out_dir / "stopme" / "checkpoints" / f"step-{STEPS:08d}" / "model-00000.pt"
-    return torch.load(path, weights_only=True)["model"]
+    fs, root = fsspec.core.url_to_fs(str(out_dir / "stopme" / "checkpoints"))
+    return load_model_weights(fs, root, STEPS, read_manifest(fs, root, STEPS))
 
 
 def committed(out_dir: Path) -> list[int]:

@@ -11,7 +11,8 @@ import torch
 from worlds import run_world
 
 from longrun.checkpoint.catalog import load_model_weights
-from longrun.checkpoint.manifest import model_shard_name, rank_shard_name
+from longrun.checkpoint.dcp_format import METADATA_FILE, data_file_name
+from longrun.checkpoint.manifest import TRAIN_STATE, rank_shard_name
 from longrun.checkpoint.restore import read_manifest
 
 # (parallelism, the share of the parameters each rank holds)
@@ -54,14 +55,17 @@ def test_each_layout_resumes_bitwise_from_its_own_checkpoint(name, tmp_path, red
     out = run_world(w.resume_from_own_checkpoint, 4, tmp_path,
                     args=(parallelism, redis_server.url, root, f"resume-{name}"))
     assert [(rank, step, bitwise) for rank, step, bitwise, *_ in out] == [(r, 2, True) for r in range(4)]
-    # One file per piece of the weights, written once by its replica group; one per rank.
+    # Each piece of the weights written once, by the first rank of its replica group: one data
+    # file per piece; one RNG file per rank.
     pieces = sorted({shard for *_, shard, _ in out})
+    writers = sorted(rank for rank, _, _, _, replica_rank in out if replica_rank == 0)
     fs, base = fsspec.core.url_to_fs(root)
     manifest = read_manifest(fs, base, 2)
-    assert sorted(manifest.files) == ([model_shard_name(s) for s in pieces]
-                                      + [rank_shard_name(r) for r in range(4)])
+    assert sorted(manifest.files) == sorted([METADATA_FILE, TRAIN_STATE]
+                                            + [data_file_name(r) for r in writers]
+                                            + [rank_shard_name(r) for r in range(4)])
     degree = parallelism.get("fsdp", 1) * parallelism.get("tp", 1)
-    assert len(pieces) == degree
+    assert len(pieces) == len(writers) == degree
     assert manifest.layout["fsdp"] == parallelism.get("fsdp", 1)
     assert manifest.layout["tp"] == parallelism.get("tp", 1)
     # The pieces put back together are the whole weights of the run, bit for bit.

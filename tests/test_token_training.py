@@ -269,10 +269,12 @@ def test_a_mixture_sampler_resumed_from_its_state_continues_identically(tokenize
     fresh = build_sampler(cfg.data, corpus, seed=cfg.job.seed)
     fresh.load_state_dict(state)
     assert [next(fresh) for _ in range(2000)] == onward
-    # Data-parallel ranks take disjoint documents of each dataset in the same epoch.
-    ranks = [build_sampler(cfg.data, corpus, seed=cfg.job.seed, dp_rank=r, dp_size=2) for r in (0, 1)]
-    per_rank = [{next(s) for _ in range(20)} for s in ranks]  # 14 of the small dataset's 20 per rank
-    assert not per_rank[0] & per_rank[1]
+    # One mixture order for the whole job: its position names no rank, and one written by an
+    # earlier longrun, one share per data-parallel rank, is refused.
+    assert "dp_size" not in state and all("dp_size" not in part for part in state["parts"])
+    per_rank = state | {"dp_rank": 1, "dp_size": 2}
+    with pytest.raises(DataError, match="earlier longrun with per-rank data positions"):
+        build_sampler(cfg.data, corpus, seed=cfg.job.seed).load_state_dict(per_rank)
 
 
 def test_a_mixture_resumes_with_its_own_weights_only(tokenizer, two_datasets):

@@ -187,29 +187,42 @@ def test_sampler_is_deterministic_and_reshuffles_per_epoch():
     assert _take(DocumentSampler(50, seed=4), 50) != first[:50]
 
 
-def test_sampler_shards_are_disjoint_and_even():
-    shards = [DocumentSampler(11, seed=0, dp_rank=r, dp_size=3) for r in range(3)]
+def test_the_sampler_is_one_global_order_that_names_no_rank():
+    """Every rank draws from the same order (`step.py` splits each global batch): each epoch
+    visits every document once, and the position holds nothing of a layout."""
+    sampler = DocumentSampler(11, seed=0)
     for _epoch in range(3):
-        per_rank = [_take(s, 3) for s in shards]  # 11 // 3 = 3 each; one document left out
-        union = set().union(*map(set, per_rank))
-        assert len(union) == 9 and sum(map(len, per_rank)) == 9
-    with pytest.raises(ValueError, match="dp_rank"):
-        DocumentSampler(11, seed=0, dp_rank=3, dp_size=3)
-    with pytest.raises(DataError, match="fewer than"):
-        DocumentSampler(2, seed=0, dp_size=3)
+        assert sorted(_take(sampler, 11)) == list(range(11))  # no document left out or repeated
+    assert set(sampler.state_dict()) == {"epoch", "index", "seed", "num_docs"}
+    with pytest.raises(DataError, match="no documents"):
+        DocumentSampler(0, seed=0)
+
+
+def test_a_per_rank_position_of_an_earlier_longrun_is_refused():
+    old = {"epoch": 0, "index": 3, "seed": 0, "num_docs": 11, "dp_rank": 1, "dp_size": 2}
+    with pytest.raises(DataError, match="earlier longrun with per-rank data positions"):
+        DocumentSampler(11, seed=0).load_state_dict(old)
+    # One rank's position was already a position in the one global order: it still loads.
+    alone = DocumentSampler(11, seed=0)
+    alone.load_state_dict(old | {"dp_rank": 0, "dp_size": 1})
+    expected = DocumentSampler(11, seed=0)
+    _take(expected, 3)
+    assert _take(alone, 20) == _take(expected, 20)
 
 
 @pytest.mark.parametrize("consumed", [0, 7, 20, 21, 45])
 def test_sampler_resumes_exactly(consumed):
-    live = DocumentSampler(21, seed=9, dp_rank=1, dp_size=2)
+    live = DocumentSampler(21, seed=9)
     _take(live, consumed)
     state = live.state_dict()
     expected = _take(live, 40)
-    restored = DocumentSampler(21, seed=9, dp_rank=1, dp_size=2)
+    restored = DocumentSampler(21, seed=9)
     restored.load_state_dict(state)
     assert _take(restored, 40) == expected
     with pytest.raises(DataError, match="num_docs"):
-        DocumentSampler(22, seed=9, dp_rank=1, dp_size=2).load_state_dict(state)
+        DocumentSampler(22, seed=9).load_state_dict(state)
+    with pytest.raises(DataError, match="seed"):
+        DocumentSampler(21, seed=8).load_state_dict(state)
 
 
 # --- packing ---------------------------------------------------------------------------------

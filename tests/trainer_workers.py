@@ -101,7 +101,7 @@ def resume_is_bitwise(rank: int, world: int, init_file: str, results) -> None:
             resumed = second.train()
             got = _weights(second)
         equal = all(torch.equal(got[k], want[k]) for k in want)
-        results.put((rank, equal, last.loss, resumed.loss, saved["data"]["dp_rank"]))
+        results.put((rank, equal, last.loss, resumed.loss, saved["data"]))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))

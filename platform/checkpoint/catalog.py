@@ -16,6 +16,7 @@ from typing import Any, Literal
 import fsspec
 import torch
 
+from longrun.checkpoint.dcp_format import table_of
 from longrun.checkpoint.layout import (
     LATEST,
     MANIFEST,
@@ -25,9 +26,9 @@ from longrun.checkpoint.layout import (
     read_latest,
     step_dir_name,
 )
-from longrun.checkpoint.manifest import Manifest, ManifestError, model_shard_name, stream_sha256
-from longrun.checkpoint.restore import load_shard, read_manifest
-from longrun.checkpoint.sharding import assemble
+from longrun.checkpoint.manifest import Manifest, ManifestError, stream_sha256
+from longrun.checkpoint.resharding import read_whole
+from longrun.checkpoint.restore import read_manifest
 
 # The two names of one matrix when model.tie_embeddings is on (trainer/model.py).
 TIED_KEYS = ("tok_embeddings.weight", "output.weight")
@@ -206,22 +207,19 @@ def verify_shards(fs: fsspec.AbstractFileSystem, root: str, step: int,
 
 def load_model_weights(fs: fsspec.AbstractFileSystem, root: str, step: int,
                        manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The model state_dict of a committed step, every file's checksum verified on the way.
-    Sharded checkpoints (FSDP, tensor parallel: one file per piece) are put back together."""
-    names = sorted(n for n in manifest.files if n.startswith("model-"))
-    pieces = []
-    for name in names or [model_shard_name(0)]:
-        shard = load_shard(fs, root, step, name, manifest.files.get(name))
-        weights = shard.get("model") if isinstance(shard, dict) else None
-        if not isinstance(weights, dict):
-            raise ManifestError(f"{root}/{step_dir_name(step)}/{name} holds no model state_dict")
-        pieces.append((weights, shard.get("sharding") or {}))
-    if len(pieces) == 1 and not pieces[0][1]:
-        return pieces[0][0]
+    """The model state_dict of a committed step, whole whatever layout wrote it (the pieces
+    of FSDP and tensor parallelism put together), every record's checksum verified on the way."""
+    if manifest.format < 2:
+        raise ManifestError(f"{root}/{step_dir_name(step)} was written by an earlier longrun "
+                            "(checkpoint format 1); read it with that longrun")
     try:
-        return assemble(pieces)
+        metadata, records = table_of(manifest.files)
     except ValueError as exc:
         raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
+    weights = read_whole(fs, f"{root}/{step_dir_name(step)}", metadata, records, "model.")
+    if not weights:
+        raise ManifestError(f"{root}/{step_dir_name(step)} holds no model weights")
+    return weights
 
 
 def summarize_weights(weights: dict[str, Any], model: dict[str, Any]) -> WeightsSummary:

@@ -1,6 +1,6 @@
 """The trainer's view of checkpointing: save every N steps without waiting, restore on start.
 
-    ckpt = Checkpointer(cfg, rank=r, world_size=w, dp_rank=d, dp_size=n, shard=s, ledger=...)
+    ckpt = Checkpointer(cfg, rank=r, world_size=w, dp_rank=d, dp_size=n, ledger=...)
     ckpt.restore(trainer, world_group, dp_group)   # resume if a checkpoint exists
     trainer.before_update.append(ckpt.before_update)
     trainer.train(on_step=ckpt.on_step(trainer))
@@ -11,10 +11,10 @@ writing, checksumming and committing happen on the writer thread (`writer.py`). 
 previous save is still being written when the next is due, `checkpoint.when_busy` decides:
 "wait" for it (default: no checkpoint is ever skipped) or "skip" this one.
 
-`dp_rank`/`dp_size` place this rank in its replica group (the ranks holding the same piece of
-the weights), `shard` names that piece: rank 0 of each replica group writes `model-<shard>.pt`
-and reads it back once for the group. Sharded state (DTensors) is stored as each rank's local
-pieces (`sharding.py`) and wrapped back onto the live DTensors on restore.
+`dp_rank`/`dp_size` place this rank in its replica group (the ranks holding the same pieces of
+the weights): its rank 0 writes the group's pieces (in torch's distributed-checkpoint format,
+`dcp_format.py`) and reads them back once for the group. A checkpoint restores at any layout
+(`resharding.py`): the pieces this rank holds now are read from whichever saved pieces overlap.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import fsspec
 import torch.distributed as dist
 
 from longrun.checkpoint.commit import CommitLedger, LocalCommitLedger
-from longrun.checkpoint.manifest import Manifest, model_shard_name, rank_shard_name, split_state
+from longrun.checkpoint.dcp_format import DCP_KEYS, data_file_name, pieces_of, skeleton
+from longrun.checkpoint.manifest import GLOBAL_KEYS, TRAIN_STATE, Manifest, rank_shard_name
 from longrun.checkpoint.restore import Restored, restore_latest
-from longrun.checkpoint.sharding import globalize, localize
 from longrun.checkpoint.snapshot import HostStager, Snapshot
 from longrun.checkpoint.writer import CheckpointWriter, SaveJob, SaveResult
 from longrun.config import JobConfig
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 class Checkpointer:
     def __init__(self, cfg: JobConfig, *, rank: int = 0, world_size: int = 1, dp_rank: int = 0,
-                 dp_size: int = 1, shard: int = 0, ledger: CommitLedger | None = None,
+                 dp_size: int = 1, ledger: CommitLedger | None = None,
                  on_saved: Callable[[SaveResult], None] | None = None):
         if ledger is None:
             if world_size > 1:
@@ -49,7 +49,6 @@ class Checkpointer:
             ledger = LocalCommitLedger()
         self.cfg = cfg
         self.rank, self.world_size, self.dp_rank, self.dp_size = rank, world_size, dp_rank, dp_size
-        self.shard = shard
         self.fs, self.root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
         self.root = self.root.rstrip("/")
         self.stager = HostStager()
@@ -61,6 +60,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None  # the step of the newest save handed to the writer
         self.last_blocking_s: float | None = None
         self.saves = self.skipped = 0
+        self._restores = 0  # restores by this checkpointer: each votes under its own key
         # Recorded in every manifest (rank 0 writes it): read once, the file does not change.
         self._tokenizer = tokenizer_record(cfg) if rank == 0 else None
 
@@ -78,12 +78,7 @@ class Checkpointer:
                 return None
             self.writer.wait_idle()
             self.writer.raise_if_failed()
-        state, sharding = localize(trainer.state_dict())
-        replicated, per_rank = split_state(state)
-        shards = {rank_shard_name(self.rank): per_rank}
-        if self.dp_rank == 0:  # this piece of the weights: written once per replica group
-            shards[model_shard_name(self.shard)] = replicated | ({"sharding": sharding} if sharding else {})
-        snapshot = self.stager.stage(shards)
+        snapshot = self.stager.stage(self.files_of(trainer.state_dict()))
         manifest = None
         if self.rank == 0:
             manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
@@ -99,6 +94,20 @@ class Checkpointer:
         self.saves += 1
         self.last_blocking_s = time.perf_counter() - start
         return self.last_blocking_s
+
+    def files_of(self, state: dict) -> dict[str, dict]:
+        """{file name: what this rank writes into it} for a trainer state (see manifest.py)."""
+        files = {rank_shard_name(self.rank): {"rng": state["rng"]}}
+        # Each piece of the model and optimizer once: by the first rank that holds it.
+        mine = {p.fqn: {"tensor": p.local, "offsets": p.offsets, "global_shape": p.global_shape,
+                        "path": p.path}
+                for p in pieces_of(state, rank=self.rank, replica_leader=self.dp_rank == 0) if p.writer}
+        if mine:
+            files[data_file_name(self.rank)] = mine
+        if self.rank == 0:
+            files[TRAIN_STATE] = ({k: state[k] for k in GLOBAL_KEYS}
+                                  | {k: skeleton(state[k]) for k in DCP_KEYS})
+        return files
 
     def before_update(self) -> None:
         """Call right before the optimizer changes the weights: a GPU snapshot still copying
@@ -141,16 +150,22 @@ class Checkpointer:
     def restore(self, trainer, world_group: dist.ProcessGroup | None = None,
                 dp_group: dist.ProcessGroup | None = None, *,
                 before_step: int | None = None) -> Restored | None:
-        """Load the newest usable checkpoint (below `before_step` if given) into `trainer`;
-        None (and no change) if there is none. Collective over the groups when given."""
+        """Load the newest usable checkpoint (below `before_step` if given) into `trainer`,
+        whatever layout wrote it; None (and no change) if there is none. Collective over the
+        groups when given (`dp_group`: this rank's replica group)."""
+        ledger, self._restores = self.writer.ledger, self._restores + 1
+        agree = None
+        if ledger.shared and self.world_size > 1:
+            # A vote outside the process group: a reader that never answers is named.
+            def agree(key: str, ok: bool) -> bool:
+                return ledger.agree(f"{key}-{self._restores}", self.rank, ok, self.world_size,
+                                    self.cfg.checkpoint.restore_timeout_s)
         restored = restore_latest(
-            self.fs, self.root, model=self.cfg.model.model_dump(mode="json"), rank=self.rank,
-            world_size=self.world_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-            shard=self.shard, layout=self.cfg.dims.degrees,
-            world_group=world_group, dp_group=dp_group, before_step=before_step)
+            self.fs, self.root, model=self.cfg.model.model_dump(mode="json"),
+            template=trainer.state_dict, rank=self.rank, world_size=self.world_size,
+            replica_rank=self.dp_rank, layout=self.cfg.dims.degrees, world_group=world_group,
+            replica_group=dp_group, before_step=before_step, agree=agree)
         if restored is not None:
-            restored.state.pop("sharding", None)
-            # The live state is the template: its DTensors say where each piece goes.
-            trainer.load_state_dict(globalize(restored.state, trainer.state_dict()))
+            trainer.load_state_dict(restored.state)
             log.info("resumed from step %d of %s", restored.step, self.root)
         return restored

@@ -25,13 +25,36 @@ class CommitAborted(RuntimeError):
     """The step cannot be committed: a rank failed to write it, or not all reported in time."""
 
 
+class AgreementTimeout(RuntimeError):
+    """Not every rank said whether it could restore a checkpoint in time: names the missing."""
+
+
 class CommitLedger(Protocol):
+    shared: bool  # whether ranks in other processes see the same ledger (agree() across them)
+
     def report(self, step: int, rank: int, files: dict[str, ShardInfo] | None,
                error: str | None = None) -> None: ...
 
     def wait_all(self, step: int, world_size: int, timeout_s: float) -> dict[str, ShardInfo]: ...
 
     def clear(self, step: int) -> None: ...
+
+    def agree(self, key: str, rank: int, ok: bool, world_size: int, timeout_s: float) -> bool: ...
+
+
+def _agreement(key: str, votes: dict[int, bool], world_size: int, timeout_s: float | None) -> bool:
+    """Whether every rank voted ok; a veto decides at once. With `timeout_s` (the wait is
+    over) and votes missing: AgreementTimeout naming the ranks that did not vote."""
+    if not all(votes.values()):
+        return False
+    if len(votes) >= world_size:
+        return True
+    missing = [r for r in range(world_size) if r not in votes]
+    shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+    raise AgreementTimeout(
+        f"{key}: ranks {shown} did not finish reading and verifying their part within "
+        f"{timeout_s:g} s (a slow or dead reader: see their logs, or raise "
+        "checkpoint.restore_timeout_s)")
 
 
 def _gather(step: int, reports: dict[int, dict], world_size: int) -> dict[str, ShardInfo]:
@@ -49,8 +72,11 @@ def _gather(step: int, reports: dict[int, dict], world_size: int) -> dict[str, S
 class LocalCommitLedger:
     """For ranks of one process (world size 1, tests): reports kept in memory."""
 
+    shared = False  # one process only: its votes cannot reach another process
+
     def __init__(self) -> None:
         self._reports: dict[int, dict[int, dict]] = {}
+        self._votes: dict[str, dict[int, bool]] = {}
         self._changed = threading.Condition()
 
     def report(self, step: int, rank: int, files: dict[str, ShardInfo] | None,
@@ -73,6 +99,15 @@ class LocalCommitLedger:
         with self._changed:
             self._reports.pop(step, None)
 
+    def agree(self, key: str, rank: int, ok: bool, world_size: int, timeout_s: float) -> bool:
+        with self._changed:
+            votes = self._votes
+            votes.setdefault(key, {})[rank] = ok
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: len(votes[key]) >= world_size or not all(votes[key].values()),
+                                   timeout=timeout_s)
+            return _agreement(key, dict(votes[key]), world_size, timeout_s)
+
 
 def _missing_message(step: int, reports: dict, world_size: int, timeout_s: float) -> str:
     missing = [r for r in range(world_size) if r not in reports]
@@ -86,6 +121,8 @@ class RedisCommitLedger:
 
     _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.25
     _TTL_S = 7 * 24 * 3600  # reports of a step nobody committed expire on their own
+
+    shared = True  # every rank of the job sees the same ledger
 
     def __init__(self, client: redis.Redis, job: str, attempt: int):
         self._redis = client
@@ -119,3 +156,23 @@ class RedisCommitLedger:
 
     def clear(self, step: int) -> None:
         self._redis.delete(self._key(step))
+
+    def agree(self, key: str, rank: int, ok: bool, world_size: int, timeout_s: float) -> bool:
+        """Vote on `key` and wait for every rank's vote (or a veto): the restore's "could every
+        rank read and verify this step?", outside the process group, so a rank that never
+        answers is named instead of hanging a collective."""
+        name = f"{self._prefix}agree:{key}"
+        pipe = self._redis.pipeline()
+        pipe.hset(name, str(rank), "1" if ok else "0")
+        pipe.expire(name, self._TTL_S)
+        pipe.execute()
+        deadline = time.monotonic() + timeout_s
+        pause = self._POLL_MIN_S
+        while True:
+            votes = {int(k): v in (b"1", "1") for k, v in self._redis.hgetall(name).items()}
+            if len(votes) >= world_size or not all(votes.values()):
+                return _agreement(key, votes, world_size, None)
+            if time.monotonic() >= deadline:
+                return _agreement(key, votes, world_size, timeout_s)
+            time.sleep(pause)
+            pause = min(pause * 2, self._POLL_MAX_S)

@@ -1,15 +1,19 @@
 """What a committed checkpoint holds: its shard files, their checksums, and what they fit.
 
-A checkpoint is split by what is replicated. The ranks of a replica group (data-parallel
-replicas and CP ranks) hold the same piece of the model, optimizer and LR schedule, so one rank
-per group writes it once (`model-NNNNN.pt`: one file per piece, `model-00000.pt` alone where
-every rank holds whole weights; under FSDP and tensor parallelism one per shard, holding only
-that shard and where it sits in the whole) and recovery reads it once and broadcasts; every
-rank writes its own small `rank-NNNNN.pt` (sampler position, RNG streams).
+A step directory holds:
+- the model and optimizer tensors in torch's distributed-checkpoint format (`dcp_format.py`):
+  `__<rank>_0.distcp` per rank that holds pieces nobody else writes (each piece is written once,
+  by the first rank holding it), and DCP's `.metadata`; any layout can read them back
+  (`resharding.py`);
+- `train-state.pt`, written by rank 0: the step, the LR schedule, the data position (one
+  position in one global order) and the structure of the model and optimizer state with its
+  plain values (hyper-parameters), tensors left out;
+- `rank-NNNNN.pt` per rank: its RNG streams.
 
-The manifest is JSON, written last: the shard list with SHA-256 and sizes, the step, the
-config fingerprint, and the model and parallel layout the shards fit, so a mismatched restore
-is refused with a message instead of failing deep inside `load_state_dict`.
+The manifest is JSON, written last: every file with its SHA-256 and size (and, for a DCP file,
+each record's place and SHA-256, so a reader that reads only some byte ranges still verifies
+what it reads), the step, the config fingerprint, the model the tensors fit and the parallel
+layout they were written at (for information: any layout restores them).
 """
 
 from __future__ import annotations
@@ -19,32 +23,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 1
-REPLICATED_KEYS = ("step", "model", "optimizer", "scheduler")  # equal on every DP rank
-PER_RANK_KEYS = ("step", "data", "rng")  # this rank's own
-
-
-def model_shard_name(index: int = 0) -> str:
-    return f"model-{index:05d}.pt"
+FORMAT_VERSION = 2  # 2: tensors in DCP's format, any layout; 1: pieces per layout (read by none)
+_READABLE = (1, 2)  # format 1 manifests are read to say why they cannot be resumed
+TRAIN_STATE = "train-state.pt"
+GLOBAL_KEYS = ("step", "scheduler", "data")  # the same on every rank, written once by rank 0
+PER_RANK_KEYS = ("rng",)  # each rank's own
 
 
 def rank_shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
-
-
-def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A trainer state -> (replicated part, per-rank part)."""
-    missing = [k for k in {*REPLICATED_KEYS, *PER_RANK_KEYS} if k not in state]
-    if missing:
-        raise KeyError(f"the training state lacks {sorted(missing)}")
-    return ({k: state[k] for k in REPLICATED_KEYS}, {k: state[k] for k in PER_RANK_KEYS})
-
-
-_PIECES = ("fsdp", "tp", "pp")  # the degrees that cut the weights into pieces
-
-
-def _shown(layout: dict[str, int]) -> str:
-    return " x ".join(f"{k} {layout.get(k, 1)}" for k in ("dp", "fsdp", "cp", "tp", "pp"))
 
 
 # Model fields that say where the weights started, not what they are: a job resumes from its
@@ -64,6 +51,9 @@ class ManifestError(ValueError):
 class ShardInfo:
     sha256: str
     bytes: int
+    # A DCP data file's records: fqn, path, offsets, sizes, global_shape, dtype, offset,
+    # length, sha256 (`dcp_format.write_pieces`); None for other files.
+    items: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -90,7 +80,7 @@ class Manifest:
     def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
         try:
             data = json.loads(raw)
-            if data.get("format") != FORMAT_VERSION:
+            if data.get("format") not in _READABLE:
                 raise ManifestError(f"{where}: format {data.get('format')!r}, "
                                     f"this longrun reads format {FORMAT_VERSION}")
             data["files"] = {k: ShardInfo(**v) for k, v in data["files"].items()}
@@ -100,23 +90,18 @@ class Manifest:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ManifestError(f"{where} is not a valid checkpoint manifest ({exc})") from None
 
-    def incompatibility(self, model: dict[str, Any], world_size: int, dp_size: int,
-                        layout: dict[str, int] | None = None) -> str | None:
-        """Why these shards cannot be loaded into a job with this model and layout, or None."""
+    def incompatibility(self, model: dict[str, Any]) -> str | None:
+        """Why this checkpoint cannot be loaded into a job with this model, or None. The
+        parallel layout does not matter: the tensors restore at any layout."""
+        if self.format < 2:
+            return ("it was written by an earlier longrun (checkpoint format 1, whose pieces only "
+                    "load at the layout that wrote them); resume it with that longrun")
         model, ours = _shape_of(model), _shape_of(self.model)
         if model != ours:
             diff = sorted(k for k in {*model, *ours} if model.get(k) != ours.get(k))
             shown = ", ".join(f"{k}: checkpoint {self.model.get(k)!r} vs job {model.get(k)!r}"
                               for k in diff)
             return f"the checkpoint holds a different model ({shown})"
-        # Older checkpoints record no layout: they were all written with whole weights.
-        if layout is not None and any(self.layout.get(k, 1) != layout.get(k, 1) for k in _PIECES):
-            return (f"the checkpoint's weights are in pieces for {_shown(self.layout)}; this job "
-                    f"runs {_shown(layout)}; resharding is not supported, run with the same layout")
-        if (world_size, dp_size) != (self.world_size, self.dp_size):
-            return (f"the checkpoint was written by {self.world_size} ranks (dp {self.dp_size}); "
-                    f"this job has {world_size} (dp {dp_size}); resharding is not supported, "
-                    "run with the same layout")
         return None
 
 

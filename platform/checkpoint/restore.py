@@ -1,19 +1,22 @@
-"""Finding and loading the newest checkpoint that is whole, once per data-parallel group.
+"""Finding and loading the newest checkpoint that is whole, at whatever layout this job runs.
 
-Candidates are the committed steps, newest first. Each rank reads only what it needs: its own
-small per-rank shard, and, on data-parallel rank 0 only, the replicated model/optimizer shard,
-which is then broadcast over the data-parallel group (MegaScale's recovery optimisation: one
-storage read per group instead of one per rank). Every byte read is checked against the
-manifest's SHA-256 before `torch.load(weights_only=True)` sees it. If any rank finds the
-newest candidate unreadable or corrupt, all ranks agree (one all-reduce) and fall back to the
-previous one with a warning. A checkpoint of another model or layout is refused outright:
-falling back to an older one would not help.
+Candidates are the committed steps, newest first. Every rank reads the small global file
+(`train-state.pt`: step, LR schedule, data position, the state's structure) and, when the
+world size is the one that wrote it, its own `rank-NNNNN.pt` (RNG streams). The tensors are
+read by the first rank of each replica group only (the ranks holding the same pieces), the
+byte ranges its pieces need at this layout (`resharding.py`), and broadcast over the group
+(MegaScale's recovery optimisation: one storage read per group instead of one per rank).
+Every byte read is checked against the manifest's SHA-256 before `torch.load(weights_only=True)`
+sees it. If any rank finds the newest candidate unreadable or corrupt, all ranks agree (one
+all-reduce) and fall back to the previous one with a warning; nothing live changes until they
+agree. A checkpoint of another model is refused outright: an older one would not help.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,16 +24,28 @@ import fsspec
 import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
 
+from longrun.checkpoint.dcp_format import DCP_KEYS, fqn_of, pieces_of, table_of, tensor_leaves
 from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir_name
 from longrun.checkpoint.manifest import (
+    GLOBAL_KEYS,
+    TRAIN_STATE,
     Manifest,
     ManifestError,
     ShardInfo,
-    model_shard_name,
     rank_shard_name,
     sha256_of,
     stream_sha256,
+)
+from longrun.checkpoint.resharding import (
+    CorruptShardError,
+    PieceMismatchError,
+    Wanted,
+    apply_reads,
+    plan_reads,
+    read_records,
 )
 from longrun.checkpoint.snapshot import map_tree, tensors_of
 from longrun.kinds import FaultKind
@@ -44,15 +59,16 @@ class CheckpointMismatchError(ValueError):
     fault_kind = FaultKind.FATAL  # recurs on any node: the controller ends the job, no restart
 
 
-class CorruptShardError(ValueError):
-    """A shard's bytes do not match the manifest's checksum, or it is missing."""
-
-
 @dataclass
 class Restored:
     step: int
-    state: dict[str, Any]  # a complete trainer state (replicated + this rank's part)
+    # A complete trainer state: its tensors are the live ones of the template (already
+    # holding the checkpoint's values) or, for state the template lacks, new whole tensors.
+    # "rng" is None when the checkpoint was written by another number of ranks.
+    state: dict[str, Any]
     skipped: list[tuple[int, str]]  # newer steps that could not be used, and why
+    written_by: dict[str, int] | None = None  # the layout that wrote it, when not this one
+    bytes_read: int = 0  # tensor bytes this rank read from storage
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> Manifest:
@@ -131,48 +147,144 @@ def broadcast_tree(tree: Any, group: dist.ProcessGroup | None) -> Any:
     return map_tree(skeleton[0], lambda _p, _t: next(it))
 
 
+def broadcast_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite `tensors` on every rank of `group` with those of its rank 0; every rank passes
+    tensors of the same shapes and dtypes, in the same order. One flat buffer per dtype."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        chosen = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in chosen]).to(device)
+        dist.broadcast(flat, src=src, group=group)
+        for t, part in zip(chosen, flat.cpu().split([t.numel() for t in chosen]), strict=True):
+            t.copy_(part.view(t.shape))
+
+
+def _fill(skeleton: Any, tensors: dict[str, torch.Tensor], path: tuple = ()) -> Any:
+    """The saved structure with each placeholder replaced by the tensor of its name."""
+    if isinstance(skeleton, torch.Tensor):
+        return tensors[fqn_of(path)]
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, tensors, (*path, k)) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_fill(v, tensors, (*path, i)) for i, v in enumerate(skeleton)]
+    return skeleton
+
+
+@dataclass
+class _Candidate:
+    """One step read by this rank, not yet applied to anything live."""
+
+    manifest: Manifest
+    train_state: dict[str, Any]
+    rng: Any
+    wanted: list[Wanted]  # the template's live pieces, then new tensors for what it lacks
+    extra: dict[str, Wanted]  # state the template lacks (e.g. an optimizer before its first step)
+    reads: list[ReadItem]  # what fills `wanted` (DCP's resharding plan)
+    loaded: dict[MetadataIndex, torch.Tensor]  # the verified records (the replica leader's)
+    bytes_read: int
+
+
+def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template: dict[str, Any],
+                    rank: int, world_size: int, reads_tensors: bool) -> _Candidate:
+    manifest = read_manifest(fs, root, step)
+    mismatch = manifest.incompatibility(model)
+    if mismatch:
+        raise CheckpointMismatchError(
+            f"cannot resume from {root}/{step_dir_name(step)}: {mismatch}; point "
+            "checkpoint.dir elsewhere to start afresh")
+    try:
+        metadata, records = table_of(manifest.files)
+    except ValueError as exc:
+        raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
+    train_state = load_shard(fs, root, step, TRAIN_STATE, manifest.files.get(TRAIN_STATE))
+    rng = None
+    if manifest.world_size == world_size:
+        rng = load_shard(fs, root, step, rank_shard_name(rank),
+                         manifest.files.get(rank_shard_name(rank)))["rng"]
+    # The live pieces are the targets: they change only once every rank has verified its part.
+    mine = [Wanted(p.fqn, p.local, p.offsets, p.global_shape)
+            for p in pieces_of(template, rank=rank, replica_leader=False)]
+    held = {w.fqn for w in mine}
+    extra = {}
+    for path, _ in tensor_leaves(train_state):
+        name = fqn_of(path)
+        md = metadata.state_dict_metadata.get(name)
+        if name not in held and md is not None:
+            extra[name] = Wanted(name, torch.empty(md.size, dtype=md.properties.dtype),
+                                 (0,) * len(md.size), tuple(md.size))
+    wanted = mine + list(extra.values())
+    try:
+        reads = plan_reads(metadata, wanted)  # on every rank: a mismatch is found everywhere
+    except PieceMismatchError as exc:
+        raise CheckpointMismatchError(
+            f"cannot resume from {root}/{step_dir_name(step)}: {exc}; point checkpoint.dir "
+            "elsewhere to start afresh") from None
+    loaded = read_records(fs, f"{root}/{step_dir_name(step)}", records, reads) if reads_tensors else {}
+    return _Candidate(manifest, train_state, rng, wanted, extra, reads, loaded,
+                      sum(records[index].length for index in loaded))
+
+
 def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str, Any],
-                   rank: int = 0, world_size: int = 1, dp_rank: int = 0, dp_size: int = 1,
-                   shard: int = 0, layout: dict[str, int] | None = None,
+                   template: Callable[[], dict[str, Any]], rank: int = 0, world_size: int = 1,
+                   replica_rank: int = 0, layout: dict[str, int] | None = None,
                    world_group: dist.ProcessGroup | None = None,
-                   dp_group: dist.ProcessGroup | None = None,
-                   before_step: int | None = None) -> Restored | None:
-    """The newest committed checkpoint every rank could read and verify, or None if there is
-    none; only steps below `before_step` when given (to go back before a loss spike). Rank 0
-    of `dp_group` (the replica group) reads piece `shard` of the weights and broadcasts it.
-    Collective over `world_group` and `dp_group` when given."""
+                   replica_group: dist.ProcessGroup | None = None,
+                   before_step: int | None = None,
+                   agree: Callable[[str, bool], bool] | None = None) -> Restored | None:
+    """The newest committed checkpoint every rank could read and verify, loaded into
+    `template()` (the trainer's live state: its tensors are overwritten in place; asked for
+    only when there is a checkpoint, as building it may initialise the optimizer's state), or
+    None if there is none; only steps below `before_step` when given (to go back before a loss spike).
+    Rank 0 of `replica_group` reads the tensors and broadcasts them. Collective over
+    `world_group` and `replica_group` when given. `agree(key, ok)`: whether every rank could
+    read and verify a step (e.g. a vote in the commit ledger, which names a rank that never
+    answers); without it, an all-reduce over `world_group`."""
     skipped: list[tuple[int, str]] = []
     steps = committed_steps(fs, root)
     if before_step is not None:
         steps = [s for s in steps if s < before_step]
+    live: dict[str, Any] | None = None
     for step in reversed(steps):
-        problem = None
-        replicated = per_rank = None
+        problem, found = None, None
+        if live is None:
+            live = template()
         try:
-            manifest = read_manifest(fs, root, step)
-            mismatch = manifest.incompatibility(model, world_size, dp_size, layout)
-            if mismatch:
-                raise CheckpointMismatchError(
-                    f"cannot resume from {root}/{step_dir_name(step)}: {mismatch}; point "
-                    "checkpoint.dir elsewhere to start afresh")
-            per_rank = load_shard(fs, root, step, rank_shard_name(rank),
-                                  manifest.files.get(rank_shard_name(rank)))
-            if dp_rank == 0:
-                replicated = load_shard(fs, root, step, model_shard_name(shard),
-                                        manifest.files.get(model_shard_name(shard)))
+            found = _read_candidate(fs, root, step, model=model, template=live, rank=rank,
+                                    world_size=world_size, reads_tensors=replica_rank == 0)
         except CheckpointMismatchError:
-            raise  # every rank reads the same manifest, so every rank raises
+            raise  # every rank reads the same manifest and template shape, so every rank raises
         except (ManifestError, CorruptShardError) as exc:
             problem = str(exc)
         except Exception as exc:  # an unpickling error, an I/O error: this step is unusable
             problem = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_ok(problem is None, world_group):
+        ok = problem is None
+        if not (agree(f"restore-{step}", ok) if agree is not None else all_ranks_ok(ok, world_group)):
             reason = problem or "another rank could not read or verify its shards"
             log.warning("checkpoint step %d is unusable (%s); falling back to an older one", step, reason)
             skipped.append((step, reason))
             continue
-        replicated = broadcast_tree(replicated, dp_group)
-        return Restored(step, {**replicated, **per_rank}, skipped)
+        assert found is not None
+        # Everyone agreed: now the live state changes (the readers' first, then their groups').
+        if found.loaded:
+            apply_reads(found.loaded, found.reads, found.wanted)
+        broadcast_in_place([w.buffer for w in found.wanted], replica_group)
+        tensors = {name: w.buffer for name, w in found.extra.items()}
+        tensors.update({fqn_of(path): t for path, t in tensor_leaves(live)})
+        state = {k: found.train_state[k] for k in GLOBAL_KEYS}
+        for key in DCP_KEYS:
+            state[key] = _fill(found.train_state[key], tensors, (key,))
+        state["rng"] = found.rng
+        written = found.manifest.layout or None
+        if layout is not None and written is not None and \
+                any(written.get(k, 1) != layout.get(k, 1) for k in {*written, *layout}):
+            log.info("checkpoint step %d was written at %s; resharded to %s", step, written, layout)
+        else:
+            written = None
+        return Restored(step, state, skipped, written, found.bytes_read)
     if skipped:
         log.warning("no usable checkpoint under %s: %d committed step(s) were unusable", root, len(skipped))
     return None

@@ -1,11 +1,11 @@
-"""Sharded state (DTensors) in and out of checkpoint files.
+"""Sharded state (DTensors) in and out of a peer memory snapshot, at the same layout.
 
 Under FSDP and tensor parallelism the trainer's state holds DTensors: each rank has its own
-piece of every weight and optimizer moment. A checkpoint keeps exactly those pieces: on save,
-`localize` swaps every DTensor for its local tensor and records where that piece sits in the
-whole (global shape, offset, placements), so a file says what it holds without the mesh that
-wrote it; on restore, `globalize` wraps each piece back onto the live DTensor it belongs to,
-after checking that it is the piece this rank holds now.
+piece of every weight and optimizer moment. A memory snapshot (`memory.py`) keeps exactly this
+rank's pieces for the same rank of the same layout: `localize` swaps every DTensor for its
+local tensor and records where that piece sits in the whole; `globalize` wraps each piece back
+onto the live DTensor it belongs to, after checking that it is the piece this rank holds now.
+(Checkpoints on storage restore at any layout: `dcp_format.py`, `resharding.py`.)
 """
 
 from __future__ import annotations
@@ -57,34 +57,3 @@ def globalize(loaded: Any, live: Any) -> Any:
                                   run_check=False, shape=ref.shape, stride=ref.stride())
 
     return map_tree(loaded, wrap)
-
-
-def assemble(pieces: list[tuple[dict[str, Tensor], dict[str, dict[str, Any]]]],
-             prefix: str = "/model/") -> dict[str, Tensor]:
-    """Whole tensors from the pieces of several files: each (a state dict of local tensors,
-    the `where` that `localize` recorded, whose paths carry `prefix`). A tensor with no `where`
-    entry is whole already. Raises ValueError if the pieces leave part of a tensor uncovered."""
-    import torch
-
-    whole: dict[str, Tensor] = {}
-    placed: dict[str, dict[tuple[int, ...], int]] = {}  # name -> offset -> values placed there
-    for state, where in pieces:
-        for name, local in state.items():
-            meta = where.get(prefix + name)
-            if meta is None:
-                whole.setdefault(name, local)
-                continue
-            if name not in whole:
-                whole[name] = torch.empty(meta["global_shape"], dtype=local.dtype)
-                placed[name] = {}
-            offset = tuple(meta["offset"])
-            if offset in placed[name]:
-                continue  # the same piece from another file (replicated across TP ranks)
-            region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
-            whole[name][region] = local
-            placed[name][offset] = local.numel()
-    for name, at in placed.items():
-        if sum(at.values()) != whole[name].numel():
-            raise ValueError(f"the checkpoint's pieces of {name} hold {sum(at.values())} of its "
-                             f"{whole[name].numel()} values; a piece is missing")
-    return whole

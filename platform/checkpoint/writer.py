@@ -2,10 +2,12 @@
 
 Per save, on every rank: write this rank's shard files into `step-N.tmp/` through fsspec,
 hashing them on the way out (SHA-256) and fsyncing them on a local disk, then report the
-checksums to the commit ledger. On the coordinator (rank 0) additionally: wait until every rank
-has reported, write the manifest, make the directory a checkpoint (a local disk: fsync, then
-one atomic rename of the directory; an object store, where a "rename" is a copy: move the
-shards, then write the manifest last), point `latest` at it, and apply retention.
+checksums to the commit ledger (for a DCP data file, with each record's place and checksum:
+`dcp_format.py`). On the coordinator (rank 0) additionally: wait until every rank has
+reported, write DCP's `.metadata` from the reports, then the manifest, make the directory a
+checkpoint (a local disk: fsync, then one atomic rename of the directory; an object store,
+where a "rename" is a copy: move the shards, then write the manifest last), point `latest` at
+it, and apply retention.
 
 A thread, not a process: the snapshot already lives in host memory that a fork must never
 copy (pinned buffers), torch.save spends most of its time in writes that release the GIL, and
@@ -29,7 +31,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from longrun.checkpoint.commit import CommitLedger
+from longrun.checkpoint.commit import CommitAborted, CommitLedger
+from longrun.checkpoint.dcp_format import METADATA_FILE, metadata_bytes, write_pieces
 from longrun.checkpoint.layout import (
     MANIFEST,
     apply_retention,
@@ -163,7 +166,8 @@ class CheckpointWriter:
             files: dict[str, ShardInfo] = {}
             job.snapshot.wait()  # the device-to-host copy, if it is still running
             for name, tree in job.snapshot.tree.items():
-                files[name] = self._write_shard(f"{tmp}/{name}", tree)
+                write = self._write_pieces if name.endswith(".distcp") else self._write_shard
+                files[name] = write(f"{tmp}/{name}", tree)
                 written += files[name].bytes
             write_s = time.perf_counter() - start
             self.ledger.report(job.step, self.rank, files)
@@ -192,6 +196,33 @@ class CheckpointWriter:
                 os.fsync(f.fileno())
         return out.info()
 
+    def _write_pieces(self, path: str, pieces: dict[str, dict[str, Any]]) -> ShardInfo:
+        """A DCP data file: one torch.save record per tensor piece (`dcp_format.py`)."""
+        with self.fs.open(path, "wb") as f:
+            out = HashingWriter(f)
+            items = write_pieces(out, pieces)
+            out.flush()
+            if self._local:
+                os.fsync(f.fileno())
+        info = out.info()
+        info.items = items
+        return info
+
+    def _write_metadata(self, tmp: str, files: dict[str, ShardInfo]) -> ShardInfo:
+        """DCP's `.metadata` for the pieces every rank reported, so `dcp.load` reads the
+        checkpoint as is. Raises CommitAborted when the pieces do not cover every tensor."""
+        try:
+            raw = metadata_bytes(files)
+        except ValueError as exc:
+            raise CommitAborted(f"step not committed: {exc}") from None
+        with self.fs.open(f"{tmp}/{METADATA_FILE}", "wb") as f:
+            out = HashingWriter(f)
+            out.write(raw)
+            out.flush()
+            if self._local:
+                os.fsync(f.fileno())
+        return out.info()
+
     def _commit(self, job: SaveJob, tmp: str) -> None:
         if job.manifest is None:
             raise ValueError("the coordinator's save needs a manifest")
@@ -199,6 +230,8 @@ class CheckpointWriter:
             job.manifest.files = self.ledger.wait_all(job.step, self.world_size, self.commit_timeout_s)
         finally:
             self.ledger.clear(job.step)
+        if any(info.items for info in job.manifest.files.values()):
+            job.manifest.files[METADATA_FILE] = self._write_metadata(tmp, job.manifest.files)
         job.manifest.created_unix = time.time()
         final = f"{self.root}/{step_dir_name(job.step)}"
         if self.fs.exists(final):  # an earlier attempt committed this very step: keep one

@@ -85,6 +85,8 @@ def cmd_status(args) -> int:
               + (f" ({escape(view.reason)})" if view.reason else ""), highlight=False)
     out.print(f"attempt {view.attempt}, step {view.step or '-'}"
               + (f", loss {view.loss:.4f}" if view.loss is not None else ""), highlight=False)
+    if view.size:
+        out.print(f"size: {view.size}", highlight=False)
     out.print(f"evicted nodes: {', '.join(view.evicted) or 'none'}", highlight=False)
     for line in view.events:
         out.print(f"  {escape(line)}", highlight=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from longrun.health.scaling import shrunk_degrees
 from longrun.parallel_dims import ParallelDims, is_power_of_two, parallel_dims
 
 if TYPE_CHECKING:
@@ -76,6 +77,25 @@ def _budget_holds_the_widest_share(cfg: JobConfig, dims: ParallelDims) -> Proble
             f"{share} tokens each); raise micro_batch_tokens to {share} or lower max_seq_len")
 
 
+def _global_batch_holds_a_micro_batch(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    # Every step draws one global batch of whole documents, next-fit, and splits it among the
+    # ranks: it must hold at least one full micro-batch and the longest document.
+    explicit = cfg.training.global_batch_tokens
+    if explicit is None:
+        return
+    micro, longest = cfg.data.micro_batch_tokens, cfg.model.max_seq_len
+    if explicit < micro:
+        yield "training.global_batch_tokens", (
+            f"the global batch ({explicit} tokens over all ranks) is smaller than one micro-batch "
+            f"(data.micro_batch_tokens = {micro}); raise training.global_batch_tokens to at least "
+            f"{micro} or lower data.micro_batch_tokens")
+    elif explicit < longest:
+        yield "training.global_batch_tokens", (
+            f"the global batch ({explicit} tokens over all ranks) cannot hold a document of "
+            f"model.max_seq_len ({longest}) tokens; raise training.global_batch_tokens to at "
+            f"least {longest} or lower max_seq_len")
+
+
 def _metrics_port_is_free(cfg: JobConfig, dims: ParallelDims) -> Problems:
     port, per_node = cfg.observability.metrics_port, cfg.cluster.workers_per_node
     if port and per_node > 1:
@@ -98,6 +118,30 @@ def _faults_name_real_ranks(cfg: JobConfig, dims: ParallelDims) -> Problems:
                    f"rank {fault.rank} does not exist in a world of {cfg.cluster.workers} ranks")
 
 
+def _min_nodes_reachable(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    # Elastic continuation shrinks only the data-parallel degrees (health/scaling.py), so the
+    # fewest nodes the job may run on must be a world those degrees can express.
+    least, cl = cfg.recovery.min_nodes, cfg.cluster
+    if least is None or dims.world_size != cl.workers:
+        return  # not elastic, or the world is already wrong (reported on its own)
+    if least > cl.nodes:
+        yield "recovery.min_nodes", (
+            f"min_nodes ({least}) is more than cluster.nodes ({cl.nodes}): it is the fewest nodes "
+            f"the job may shrink to; lower it to at most {cl.nodes}")
+        return
+    fixed, per_node = dims.cp * dims.tp * dims.pp, cl.workers_per_node
+    if shrunk_degrees(dims.dp, dims.fsdp, fixed, least * per_node) is not None:
+        return
+    fewest = min(n for n in range(1, cl.nodes + 1)
+                 if shrunk_degrees(dims.dp, dims.fsdp, fixed, n * per_node) is not None)
+    yield "recovery.min_nodes", (
+        f"on {least} node(s) the job has {least} x {per_node} = {least * per_node} ranks, but only "
+        f"parallelism.dp ({dims.dp}) and parallelism.fsdp ({dims.fsdp}) shrink (cp x tp x pp = "
+        f"{fixed} ranks hold the pieces of one replica and stay), and no dp <= {dims.dp} and "
+        f"fsdp <= {dims.fsdp} give dp x fsdp x {fixed} = {least * per_node}; raise "
+        f"recovery.min_nodes to {fewest} (the fewest nodes this layout can shrink to) or leave it unset")
+
+
 CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _world_fills_the_cluster,
     _tp_inside_a_node,
@@ -105,8 +149,10 @@ CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _dynamic_cp_is_a_power_of_two,
     _heads_split_evenly,
     _budget_holds_the_widest_share,
+    _global_batch_holds_a_micro_batch,
     _warmup_within_the_run,
     _faults_name_real_ranks,
+    _min_nodes_reachable,
 )
 
 

@@ -58,6 +58,16 @@ class JobConfig(Section):
         return parallel_dims(self)
 
     @property
+    def global_batch_tokens(self) -> int:
+        """The token budget of one optimizer step over all ranks: training.global_batch_tokens,
+        or by default data.micro_batch_tokens x grad_accum x the span (dp x fsdp x cp), the
+        batch the configured layout would pack (`trainer/feed.py` draws it)."""
+        explicit = self.training.global_batch_tokens
+        if explicit is not None:
+            return explicit
+        return self.data.micro_batch_tokens * self.training.grad_accum * self.dims.span
+
+    @property
     def world_size(self) -> int:
         return self.dims.world_size
 

@@ -191,8 +191,9 @@ class DataSection(Section):
     synthetic: LengthDistribution = Field(default_factory=LengthDistribution)
     micro_batch_tokens: PositiveInt = Field(
         2048, description="Token budget of one micro-batch per rank (under context parallelism: "
-        "the most tokens any rank holds; a global batch is then dp x cp x grad_accum budgets).")
-    prefetch: NonNegativeInt = Field(4, description="Micro-batches prepared ahead by a background thread.")
+        "the most tokens any rank holds). A step's global batch is training.global_batch_tokens "
+        "(by default dp x fsdp x cp x grad_accum of these budgets), split among the ranks.")
+    prefetch: NonNegativeInt = Field(4, description="Steps' data prepared ahead by a background thread.")
 
     @model_validator(mode="before")
     @classmethod
@@ -240,7 +241,14 @@ class DataSection(Section):
 
 class TrainingSection(Section):
     steps: PositiveInt = 100
-    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    grad_accum: PositiveInt = Field(
+        1, description="Micro-batches per optimizer step at the configured layout: with "
+        "global_batch_tokens unset, it sizes the global batch.")
+    global_batch_tokens: PositiveInt | None = Field(
+        None, description="The token budget of one optimizer step over all ranks; null: "
+        "data.micro_batch_tokens x grad_accum x the data span (dp x fsdp x cp ranks). Set it "
+        "explicitly, or the controller pins it, so that a job resumed at another world size "
+        "keeps the same global batch and optimizer trajectory.")
     lr: PositiveFloat = 3e-4
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     warmup_steps: NonNegativeInt = 10
@@ -273,6 +281,9 @@ class CheckpointSection(Section):
     commit_timeout_s: PositiveFloat = Field(
         600.0, description="How long the committing rank waits for every rank's shards."
     )
+    restore_timeout_s: PositiveFloat = Field(
+        600.0, description="How long a restoring rank waits for every rank to say whether it read "
+        "and verified its part of a checkpoint; then the ranks that did not answer are named.")
 
 
 FaultKind = Literal["kill", "hang", "raise", "nan", "slow", "hold"]
@@ -346,6 +357,15 @@ class RecoverySection(Section):
     diagnostics: list[Literal["compute", "memory", "collective", "store"]] = Field(
         default_factory=lambda: ["compute", "memory", "collective", "store"]
     )
+    min_nodes: PositiveInt | None = Field(
+        None, description="Elastic continuation: when a lost or evicted node leaves too few to "
+        "place the job's cluster.nodes within shrink_after_s, continue on the nodes left, down to "
+        "this many (parallelism.dp shrinks first, then parallelism.fsdp; the global batch stays the "
+        "same), and grow back to cluster.nodes at a checkpoint once they can be placed again. "
+        "null: not elastic; a job whose nodes cannot all be placed fails.")
+    shrink_after_s: NonNegativeFloat = Field(
+        60.0, description="With min_nodes set: how long to wait for the job's full node count to "
+        "become placeable before continuing on fewer nodes (or failing, below min_nodes).")
 
 
 class ObservabilitySection(Section):

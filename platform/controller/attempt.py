@@ -18,6 +18,7 @@ from longrun.controller.workers import WorkerGroup
 from longrun.health.heartbeat import Heartbeat
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Incident
+from longrun.health.scaling import SizeDecision
 from longrun.kinds import STARTING_PHASES, FaultKind
 
 
@@ -36,6 +37,8 @@ class Attempt:
     last_beat_at: dict[int, float] = field(default_factory=dict)  # rank -> sent_at of its newest heartbeat
     reached: int = 0  # the newest step any rank reported in this attempt
     lost_from: int | None = None  # the step the previous attempt had reached when it failed
+    world_size: int = 0  # ranks watched (from RENDEZVOUS on): an elastic job's may be fewer than configured
+    grow: SizeDecision | None = None  # a grow asked of this attempt: its ranks save and stop, then resize
 
     @property
     def resume_before_step(self) -> int | None:
@@ -55,6 +58,7 @@ class Attempt:
 
     def watch(self, world_size: int, health: HealthSection, now: float) -> None:
         """Start judging this attempt's heartbeats (its ranks were just started)."""
+        self.world_size = world_size
         self.monitor = HealthMonitor(world_size, health, started_at=now, loss_history=self.loss_history)
 
     def settle(self, incidents: list[Incident], now: float, patience_s: float) -> list[Incident] | None:

@@ -24,6 +24,14 @@ boundary they agree on (worker/preemption.py) and stop, and the job ends PREEMPT
 checkpoint committed, or when `recovery.preemption_grace_s` runs out. Running the same job
 again resumes from it.
 
+An elastic job (`recovery.min_nodes`, controller/elastic.py, health/scaling.py) that cannot
+place its configured nodes waits up to `recovery.shrink_after_s` for them, then continues on
+the nodes it has, with smaller data-parallel degrees and the same global batch. While it runs
+short, every poll asks whether the configured size could be placed again; once it could, the
+workers save at an agreed step boundary (the preemption mechanism, for a "grow") and the job
+restarts at its configured size: RUNNING -> RECOVERING (a resize, not a fault: no restart
+budget spent) -> PLACING.
+
 What the next controller needs lives in Redis under the job's prefix (record, events, restart
 history, evictions), written through a client that rides out a Redis restart: a controller
 started again with the same job name continues with the next attempt.
@@ -41,6 +49,7 @@ import redis
 from longrun import keys
 from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
+from longrun.controller.elastic import Sizing, layout_key
 from longrun.controller.job_state import JobRecordStore, job_status
 from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementImpossible, PlacementTimeout
@@ -49,6 +58,7 @@ from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.watch import Watcher
 from longrun.controller.workers import Launcher, LaunchFailed, RayLauncher, WorkerGroup
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
+from longrun.health.scaling import Resize
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import advertised_address, target_groups
 from longrun.services.redis_client import patient_client, quick_client
@@ -91,6 +101,11 @@ class Controller:
         self.failure: str | None = None  # set on FAILED
         self.stop_request: str | None = None  # why the job was asked to stop (request_preemption)
         self._preempt_deadline: float | None = None
+        # Elastic continuation: None unless recovery.min_nodes is set. `layout` is the config
+        # the current (or last) attempt runs: cfg itself, or a smaller one after a shrink.
+        self.sizing = Sizing.of(cfg)
+        self.layout = cfg
+        self._resize_reason: str | None = None  # why the next layout change happens
         # Operators' view: /metrics and /sd (the workers' scrape targets follow restarts).
         self.metrics = ControllerMetrics(cfg.job.name)
         self._address: str | None = None
@@ -187,10 +202,7 @@ class Controller:
 
     def _on_placing(self) -> None:
         try:
-            self.attempt.group = self.launch(
-                self.cfg, attempt=self.attempt.number, redis_url=self.redis_url,
-                evicted=self.record.evicted(), timeout_s=self.placement_timeout_s,
-                resume_before_step=self.attempt.resume_before_step, skip_steps=self.record.skips())
+            layout = self._place()
         except PlacementImpossible as exc:
             self._fail(str(exc))
             return
@@ -199,7 +211,11 @@ class Controller:
             self._handle(self._decide([Incident(kind=kind, rank=None, node=None, step=None,
                                                 at=self.wall(), detail=str(exc))], {}))
             return
-        self.record.update(nodes=list(self.attempt.group.node_ids))
+        if layout is None:
+            return  # short of nodes and waiting for them: placing again at the next step
+        if layout_key(layout) != layout_key(self.layout) and not self._resize(layout):
+            return
+        self.record.update(nodes=list(self.attempt.group.node_ids), size=self._size_text())
         if self.cfg.recovery.diagnostics:
             self._move(JobState.DIAGNOSING, f"self-checks: {', '.join(self.cfg.recovery.diagnostics)}")
         else:
@@ -219,7 +235,7 @@ class Controller:
 
     def _on_rendezvous(self) -> None:
         self.attempt.group.start()
-        self.attempt.watch(self.cfg.world_size, self.cfg.health, self.clock())
+        self.attempt.watch(self.layout.world_size, self.cfg.health, self.clock())
         self._move(JobState.RUNNING, "training")
 
     def _on_running(self) -> None:
@@ -230,9 +246,14 @@ class Controller:
                 nodes = ", ".join(n[:12] for n in sorted(draining))
                 self.request_preemption(f"Ray is draining node(s) {nodes} (a preemption or scale-down "
                                         "notice)")
+            elif self.sizing is not None:
+                self._consider_growing()
             return
         if not incidents:
-            self._succeed()
+            if self.attempt.grow is not None and self.attempt.summaries[0].get("preempted"):
+                self._grow()
+            else:  # no grow asked, or the last step came before the request did
+                self._succeed()
             return
         self.listeners.declared(self.attempt, incidents, self.wall())
         decision = self._decide(incidents, {})
@@ -271,6 +292,98 @@ class Controller:
             return
         self._preempted(f"the checkpoint of step {summary['step']} is committed; running the job "
                         "again resumes from it", summary)
+
+    # -- elastic continuation -------------------------------------------------------------------
+    def _launch(self, layout: JobConfig) -> WorkerGroup:
+        return self.launch(layout, attempt=self.attempt.number, redis_url=self.redis_url,
+                           evicted=self.record.evicted(), timeout_s=self.placement_timeout_s,
+                           resume_before_step=self.attempt.resume_before_step, skip_steps=self.record.skips())
+
+    def _place(self) -> JobConfig | None:
+        """Place this attempt at the configured size, always tried first (so a restart grows
+        back when it can). An elastic job short of nodes asks the scaling policy: wait (None:
+        placing again at the next step), continue on fewer (the smaller config), or give up
+        (PlacementImpossible, as a job that is not elastic does at once)."""
+        try:
+            self.attempt.group = self._launch(self.cfg)
+        except PlacementImpossible as exc:
+            if self.sizing is None:
+                raise
+            first = self.sizing.short_since is None
+            decision, smaller = self.sizing.short(exc.available, self.clock())
+            if decision.action is Resize.GIVE_UP:
+                raise PlacementImpossible(f"{exc}; elastic continuation: {decision.reason}",
+                                          exc.available) from exc
+            if decision.action is Resize.WAIT:
+                if first:
+                    self._event("waiting_for_nodes", decision.reason, available=exc.available)
+                self.sleep(BACKOFF_SLICE_S)  # pacing the retries; a stop request is heard next step
+                return None
+            try:
+                self.attempt.group = self._launch(smaller)
+            except PlacementImpossible as again:  # fewer still since a moment ago: decide again
+                log.warning("placing %d node(s) failed too (%s); deciding again", decision.nodes, again)
+                return None
+            self._resize_reason = decision.reason
+            return smaller
+        if self.sizing is not None:
+            self.sizing.placed_in_full()
+        return self.cfg
+
+    def _resize(self, layout: JobConfig) -> bool:
+        """The attempt just placed runs at another layout than the last one (a shrink, or a grow
+        back): record it, once the newest checkpoint is known to restore at it. False when it
+        cannot (the job failed with the checkpoint's reason)."""
+        before, nodes = self.layout, layout.cluster.nodes
+        direction = "shrink" if nodes < before.cluster.nodes else "grow"
+        problem = checkpoint_problem(layout)
+        if problem is not None:
+            self._fail(f"cannot {direction} to {nodes} node(s) ({layout.world_size} ranks): {problem}")
+            return False
+        why = self._resize_reason or f"the configured {nodes} node(s) could be placed again"
+        self._resize_reason = None
+        old, new = before.parallelism, layout.parallelism
+        self._event("resized", (
+            f"{direction}: {before.cluster.nodes} -> {nodes} node(s), {before.world_size} -> "
+            f"{layout.world_size} rank(s), dp x fsdp {old.dp} x {old.fsdp} -> {new.dp} x {new.fsdp}, "
+            f"global batch {self.cfg.global_batch_tokens} tokens kept; {why}"),
+            direction=direction, nodes=nodes, world_size=layout.world_size,
+            from_nodes=before.cluster.nodes)
+        self.layout = layout
+        self.record.update(world_size=layout.world_size)
+        return True
+
+    def _consider_growing(self) -> None:
+        """While the job runs short: once the configured size could be placed again, ask the
+        ranks to save at the next agreed step boundary and stop (the preemption mechanism);
+        `_grow` restarts the job at the configured size when they have."""
+        current = self.layout.cluster.nodes
+        if self.attempt.grow is not None or current >= self.cfg.cluster.nodes:
+            return
+        spare = self.launch.spare_nodes(self.layout, self.record.evicted())
+        decision = self.sizing.running(current, None if spare is None else current + spare)
+        if decision.action is not Resize.GROW:
+            return
+        try:
+            preemption.request(self.watch_client, self.cfg.job.name, self.attempt.number)
+        except redis.RedisError as exc:  # asked again at the next poll
+            log.warning("grow request not written to Redis (%s); trying again", exc)
+            return
+        self.attempt.grow = decision
+        self._event("grow_requested", decision.reason, nodes=decision.nodes)
+
+    def _grow(self) -> None:
+        summary, grow = self.attempt.summaries[0], self.attempt.grow
+        self.record.update(step=summary["step"], loss=summary["loss"])
+        self._resize_reason = f"capacity is back, and the checkpoint of step {summary['step']} is committed"
+        self._end_attempt()
+        decision = Decision(Action.RESIZE, f"grow: {grow.reason}")
+        self._move(JobState.RECOVERING, f"grow: the checkpoint of step {summary['step']} is committed; "
+                   f"placing the configured {grow.nodes} node(s)", decision)
+
+    def _size_text(self) -> str:
+        return (f"{self.layout.cluster.nodes} of {self.cfg.cluster.nodes} node(s), "
+                f"{self.layout.world_size} rank(s)")
 
     # -- the pieces ---------------------------------------------------------------------------
     def _preempt(self) -> None:
@@ -326,7 +439,7 @@ class Controller:
     def _decide(self, incidents: list[Incident], failed_nodes: dict[str, str]) -> Decision:
         history = [RestartRecord.from_dict(r) for r in self.record.restarts()]
         return decide(incidents, history, self.cfg.recovery, now=self.wall(), failed_diagnostics=failed_nodes,
-                      spare_nodes=self.launch.spare_nodes(self.cfg, self.record.evicted()))
+                      spare_nodes=self.launch.spare_nodes(self.layout, self.record.evicted()))
 
     def _handle(self, decision: Decision) -> None:
         """Carry out a decision that ends the attempt: restart (maybe evicting) or give up."""
@@ -349,7 +462,8 @@ class Controller:
         self._end_attempt()
         self._move(JobState.SUCCEEDED, f"finished {summary['step']} steps in attempt {self.attempt.number}")
         self.summary = summary | {"attempt": self.attempt.number, "restarts": len(self.record.restarts()),
-                                  "evicted": sorted(self.record.evicted())}
+                                  "evicted": sorted(self.record.evicted()),
+                                  "nodes": self.layout.cluster.nodes}
 
     def _fail(self, reason: str, decision: Decision | None = None) -> None:
         self._end_attempt()
@@ -381,7 +495,7 @@ class Controller:
                 f"{len(self.record.evicted())} evicted")
 
     def _rendezvous_reason(self) -> str:
-        return f"forming groups of {self.cfg.world_size} rank(s)"
+        return f"forming groups of {self.layout.world_size} rank(s)"
 
     def _linger(self) -> None:
         """A FAILED job keeps /metrics up a little (if anything scrapes it), so Prometheus

@@ -7,6 +7,12 @@ to arrive, not the highest steps: after a rollback the new path's steps are lowe
 newest complete one survives while the next is being sent. Before each attempt, snapshots past
 the step it resumes from are dropped: they belong to a path the job abandoned.
 
+Snapshots are per rank of one layout: after a resize (an elastic job shrinking or growing,
+controller/elastic.py), rank r of the new world holds another piece of the state than rank r of
+the old one. So the keepers remember the layout they hold snapshots of (`Keepers.adopt`), forget
+everything when it changes, and no restore is ever planned across a layout change: a resized
+attempt restores from storage.
+
 After a fault, `Keepers.plan` picks the newest step every rank has a snapshot of on a live
 keeper (only a step every rank finished counts) and lists, per rank, every keeper holding it;
 each worker tries them in turn, verifying (SHA-256), and all fall back to storage together only
@@ -17,7 +23,7 @@ controller's actors: they go when it goes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +110,18 @@ class Keepers:
     def __init__(self, job: str):
         self.job = job
         self._actors: dict[str, Any] = {}  # node id -> keeper
+        self.layout: Hashable | None = None  # the layout the held snapshots were taken at
+
+    def adopt(self, layout: Hashable) -> bool:
+        """Hold snapshots of `layout` from now on; True when the layout changed, in which case
+        every snapshot held (of the old one) was dropped and none may be restored from."""
+        if layout == self.layout:
+            return False
+        changed = self.layout is not None
+        if changed:
+            self.drop_after(-1)  # before the layout is noted: a failed drop is tried again
+        self.layout = layout
+        return changed
 
     def ensure(self, node_ids: Iterable[str], timeout_s: float = 60.0) -> None:
         """A live keeper on each of `node_ids`, ready (its name resolvable) before any worker
@@ -131,9 +149,7 @@ class Keepers:
             try:
                 holdings = ray.get(actor.holdings.remote(), timeout=timeout_s)
             except (RayError, ray.exceptions.GetTimeoutError) as exc:
-                log.warning("snapshot keeper on node %s is gone (%s)", node[:12], exc)
-                ray.kill(actor, no_restart=True)  # a slow one too: its name is free for a new one
-                del self._actors[node]
+                self._forget(node, exc)
                 continue
             for rank, steps in holdings.items():
                 for step in steps:
@@ -145,9 +161,19 @@ class Keepers:
         step = max(usable)
         return MemoryRestore(step, dict(sorted(held[step].items())))
 
-    def drop_after(self, step: int) -> None:
-        """Every keeper forgets the snapshots of steps after `step` (see SnapshotKeeper)."""
-        ray.get([actor.drop_after.remote(step) for actor in self._actors.values()], timeout=30.0)
+    def drop_after(self, step: int, timeout_s: float = 30.0) -> None:
+        """Every keeper forgets the snapshots of steps after `step` (see SnapshotKeeper); one
+        that does not answer (gone with its node) is forgotten itself."""
+        refs = {node: actor.drop_after.remote(step) for node, actor in self._actors.items()}
+        for node, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                self._forget(node, exc)
+
+    def _forget(self, node: str, why: Exception) -> None:
+        log.warning("snapshot keeper on node %s is gone (%s)", node[:12], why)
+        ray.kill(self._actors.pop(node), no_restart=True)  # a slow one too: its name is free for a new one
 
     def close(self) -> None:
         for actor in self._actors.values():

@@ -22,7 +22,7 @@ from longrun.controller.attempt import Attempt
 from longrun.controller.job_state import JobRecordStore
 from longrun.controller.state import JobState, Transition
 from longrun.health.heartbeat import Heartbeat
-from longrun.health.policy import Incident
+from longrun.health.policy import Action, Incident
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import write_file_sd
 
@@ -96,13 +96,14 @@ class EventLog(Listener):
 class MetricsListener(Listener):
     """The controller's Prometheus series (see observability/controller_metrics.py)."""
 
-    def __init__(self, metrics: ControllerMetrics, record: JobRecordStore, steps: int):
-        self.metrics, self.record, self.steps = metrics, record, steps
+    def __init__(self, metrics: ControllerMetrics, record: JobRecordStore, cfg: JobConfig):
+        self.metrics, self.record, self.steps = metrics, record, cfg.training.steps
+        self.metrics.set_size(cfg.cluster.nodes, cfg.world_size)  # until an elastic job resizes
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
         self.metrics.set_state(str(move.target))
         self.metrics.set_attempt(attempt.number)
-        if move.target is JobState.RECOVERING:
+        if move.target is JobState.RECOVERING and move.decision.action is not Action.RESIZE:
             self.metrics.restart(move.decision.cause.kind if move.decision.cause else "other")
         if move.target in (JobState.PLACING, JobState.RECOVERING):
             self.metrics.set_evicted(len(self.record.evicted()))
@@ -110,8 +111,10 @@ class MetricsListener(Listener):
             self.metrics.set_step(attempt.summaries[0]["step"], self.steps)
 
     def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
-        if kind == "recovered":
+        if kind == "recovered" and not _resized(attempt):  # a grow is no fault to recover from
             self.metrics.recovery(extra["seconds"], extra["steps_lost"])
+        elif kind == "resized":
+            self.metrics.resized(extra["direction"], extra["nodes"], extra["world_size"])
 
     def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
         for i in incidents:
@@ -133,6 +136,12 @@ class MetricsListener(Listener):
 
     def ended(self, attempt: Attempt) -> None:
         self.metrics.forget_ranks()  # its ranks are gone; the next attempt may place them elsewhere
+
+
+def _resized(attempt: Attempt) -> bool:
+    """Whether `attempt` started because an elastic job grew (not after a fault)."""
+    decision = attempt.recovery.decision if attempt.recovery is not None else None
+    return decision is not None and decision.action is Action.RESIZE
 
 
 class Discovery(Listener):
@@ -197,5 +206,5 @@ def standard_listeners(cfg: JobConfig, record: JobRecordStore, on_event: Callabl
     """What every controller has listening: the event log (and `on_event` lines), metrics,
     scrape targets (`targets`), progress in the job record (`progress`: on a client that fails
     fast) and the launcher's spares (`warm_spares`)."""
-    return Listeners([EventLog(record, on_event), MetricsListener(metrics, record, cfg.training.steps),
+    return Listeners([EventLog(record, on_event), MetricsListener(metrics, record, cfg),
                       Discovery(cfg, targets), ProgressRecord(progress), SpareWarmer(warm_spares)])

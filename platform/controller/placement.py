@@ -31,7 +31,12 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 class PlacementImpossible(RuntimeError):
-    """The cluster can never hold this job (not enough eligible nodes)."""
+    """The cluster can never hold this job (not enough eligible nodes). `available`: how many
+    eligible nodes it has (what an elastic job could continue on), when known."""
+
+    def __init__(self, message: str, available: int | None = None):
+        super().__init__(message)
+        self.available = available
 
 
 class PlacementTimeout(TimeoutError):
@@ -90,7 +95,8 @@ def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[st
             f"cluster.nodes x cluster.workers_per_node = {cfg.world_size}); the cluster has "
             f"{len(able)} such node(s) among {len(candidates)} live and not evicted"
             + (f" ({len(banned)} evicted)" if banned else "")
-            + "; add nodes or lower cluster.nodes / cluster.workers_per_node"
+            + "; add nodes or lower cluster.nodes / cluster.workers_per_node",
+            available=len(able),
         )
     # Free nodes first (stable within each class), so the reservation can succeed at once.
     ready = [n for n in able if n.fits(bundle, per_node, free=True)]

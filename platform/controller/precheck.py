@@ -1,7 +1,8 @@
 """Before any worker is placed: can this job resume from the checkpoints it would restore?
 
-Every worker refuses a checkpoint of another model or parallel layout (`restore.py`), and a
-restart would only meet the same refusal on other nodes. So the controller reads the newest
+Every worker refuses a checkpoint of another model, or of the earlier format (`restore.py`;
+any parallel layout is fine: it reshards), and a restart would only meet the same refusal on
+other nodes. So the controller reads the newest
 committed checkpoint's manifest itself (JSON: no torch, no worker) and fails the job at once,
 with the manifest's own reason, instead of spending a placement and an attempt to learn it.
 """
@@ -39,12 +40,11 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
         except (ManifestError, OSError) as exc:
             log.warning("checkpoint precheck: %s is unreadable (%s); looking at an older one", path, exc)
             continue
-        # Replica groups: the ranks holding the same piece of the weights (see worker/setup.py).
-        mismatch = manifest.incompatibility(cfg.model.model_dump(mode="json"), cfg.world_size,
-                                            cfg.dims.replicas, cfg.dims.degrees)
+        # Any layout restores any checkpoint; only the model (and the format) must fit.
+        mismatch = manifest.incompatibility(cfg.model.model_dump(mode="json"))
         if mismatch is None:
             return None
         return (f"cannot resume from {cfg.checkpoint_dir}/{step_dir_name(step)}: {mismatch}. "
-                "Point checkpoint.dir elsewhere to start afresh, or run with the model and layout "
-                "the checkpoint was written with.")
+                "Point checkpoint.dir elsewhere to start afresh, or run with the model the "
+                "checkpoint was written with.")
     return None

@@ -10,7 +10,8 @@ that carries it out; a move into FAILED may carry the decision that gave up.
 
     PENDING -> PLACING -> DIAGNOSING -> RENDEZVOUS -> RUNNING -> SUCCEEDED
                   ^                                    |
-                  +------------- RECOVERING <----------+   (a fault, within the budget)
+                  +------------- RECOVERING <----------+   (a fault, within the budget; or an
+                                                               elastic job growing back: a resize)
     RUNNING -> PREEMPTING -> PREEMPTED   (a signal or a drained node: save at a step boundary, stop)
     any live state -> FAILED (budget spent, unrecoverable) | STOPPED (user asked) |
                       PREEMPTED (asked to stop before anything new was trained)

@@ -65,7 +65,7 @@ class Watcher:
         """Every rank's heartbeat, or None while Redis is unreachable (judging paused)."""
         try:
             beats = read_heartbeats(self.client, self.cfg.job.name, attempt.number,
-                                    range(self.cfg.world_size))
+                                    range(attempt.world_size))
         except (redis.RedisError, OSError) as exc:
             attempt.monitor.store_unreachable(now)
             if self._store_lost_at is None:
@@ -89,7 +89,7 @@ class Watcher:
             if b.metrics_addr:
                 attempt.endpoints[b.rank] = (b.metrics_addr, attempt.group.node_of(b.rank))
         self.listeners.heartbeats(attempt, live, wall)
-        if attempt.trained or not attempt.first_step_done(live, self.cfg.world_size):
+        if attempt.trained or not attempt.first_step_done(live, attempt.world_size):
             return
         attempt.trained = True
         self.listeners.trained(attempt)

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import RayError
 
 from longrun.config import JobConfig
+from longrun.controller.elastic import layout_key
 from longrun.controller.keepers import Keepers, keeper_targets, newest_committed_step
 from longrun.controller.outcomes import (
     RankEnded,
@@ -172,8 +173,8 @@ class RayLauncher:
     10 s for four workers on two cores, against about 1 s for rendezvous, restore and a
     step. So while an attempt trains, one spare actor per bundle waits with everything
     imported. A restart on the same nodes keeps the placement group and hands each rank to
-    its bundle's spare; a restart that must change nodes (one evicted, or gone) releases the
-    group, spares included, and places from scratch.
+    its bundle's spare; a restart that must change nodes (one evicted, or gone) or the job's
+    size (an elastic resize) releases the group, spares included, and places from scratch.
     """
 
     def __init__(self, spares: bool = True):
@@ -188,7 +189,7 @@ class RayLauncher:
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
                  skip_steps: Sequence[tuple[int, int]] = ()) -> RayWorkerGroup:
-        if self.placement is not None and not self._reusable(set(evicted)):
+        if self.placement is not None and not self._reusable(cfg, set(evicted)):
             self._release_placement()
         if self.placement is None:
             self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
@@ -248,7 +249,10 @@ class RayLauncher:
             log.warning("a snapshot keeper did not start (%s); its ranks' snapshots are off", exc)
         stored = newest_committed_step(cfg, before_step=resume_before_step)
         try:
-            restore = self.keepers.plan(cfg.world_size, newer_than=stored, before_step=resume_before_step)
+            # A resized attempt restores from storage: what the keepers held was the old layout's.
+            resized = self.keepers.adopt(layout_key(cfg))
+            restore = None if resized else self.keepers.plan(cfg.world_size, newer_than=stored,
+                                                             before_step=resume_before_step)
             # What follows the step this attempt resumes from was trained on a path it leaves.
             self.keepers.drop_after(restore.step if restore else stored)
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
@@ -282,9 +286,11 @@ class RayLauncher:
                                  scheduling_strategy=self.placement.strategy(rank),
                                  **actor_options(cfg)).remote()
 
-    def _reusable(self, evicted: set[str]) -> bool:
+    def _reusable(self, cfg: JobConfig, evicted: set[str]) -> bool:
         nodes = self.placement.node_ids
-        return not dead_nodes(nodes) and not evicted.intersection(nodes)
+        resized = (len(nodes), self.placement.workers_per_node) != (cfg.cluster.nodes,
+                                                                    cfg.cluster.workers_per_node)
+        return not resized and not dead_nodes(nodes) and not evicted.intersection(nodes)
 
     def _take_spares(self) -> list[Any]:
         """The spares, if every one of them is alive and warm; else none (start fresh)."""

@@ -22,6 +22,9 @@ class Action(enum.StrEnum):
     RESTART = "restart"
     EVICT_AND_RESTART = "evict_and_restart"
     GIVE_UP = "give_up"
+    # Not a fault's answer: an elastic job grows back (health/scaling.py). It restarts the job
+    # at another size without spending the restart budget.
+    RESIZE = "resize"
 
 
 RESTARTS = frozenset({Action.RESTART, Action.EVICT_AND_RESTART})

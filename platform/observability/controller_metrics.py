@@ -34,6 +34,8 @@ JOB_STATES = tuple(s.value for s in JobState)
 DETECTION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 # Fault detected -> training again: seconds on a warm cluster, many minutes with a new node.
 RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+# An elastic job's resizes (recovery.min_nodes): onto fewer nodes, and back to its configured size.
+RESIZE_DIRECTIONS = ("shrink", "grow")
 
 
 class ControllerMetrics:
@@ -66,6 +68,13 @@ class ControllerMetrics:
         self.last_steps_lost = Gauge("longrun_job_last_fault_steps_lost",
                                      "Steps redone after the most recent fault.", labels, registry=r)
         self.evicted = Gauge("longrun_job_evicted_nodes", "Nodes evicted from the job.", labels, registry=r)
+        # prometheus-client appends _total: exported as longrun_elastic_resizes_total.
+        self.resizes = Counter("longrun_elastic_resizes", "Elastic resizes: continuing on fewer nodes "
+                               "(shrink) or back at the configured size (grow).", (*labels, "direction"),
+                               registry=r)
+        self.nodes = Gauge("longrun_job_nodes", "Nodes the job runs on now (fewer than configured while an "
+                           "elastic job is shrunk).", labels, registry=r)
+        self.world_size = Gauge("longrun_job_world_size", "Ranks the job runs with now.", labels, registry=r)
         self.heartbeat = Gauge("longrun_heartbeat_age_seconds", "Age of each rank's newest heartbeat.",
                                (*labels, "rank", "node"), registry=r)
         # The send time itself: `time() - ...` keeps growing at query time even when nothing
@@ -84,9 +93,12 @@ class ControllerMetrics:
                                      "per phase.", (*labels, "phase"), registry=r)
         # Created up front: a series that exists at 0 answers queries before anything happens.
         self.state.labels(job).state(JobState.PENDING.value)
-        for gauge in (self.attempt, self.step, self.planned, self.evicted, self.last_steps_lost):
+        for gauge in (self.attempt, self.step, self.planned, self.evicted, self.last_steps_lost, self.nodes,
+                      self.world_size):
             gauge.labels(job).set(0)
         self.steps_lost.labels(job)
+        for direction in RESIZE_DIRECTIONS:
+            self.resizes.labels(job, direction)
         for kind in FAULT_KINDS:
             self.restarts.labels(job, kind)
             self.faults.labels(job, kind)
@@ -124,6 +136,18 @@ class ControllerMetrics:
 
     def set_evicted(self, count: int) -> None:
         self.evicted.labels(self.job).set(count)
+
+    def set_size(self, nodes: int, world_size: int) -> None:
+        """The nodes and ranks the job runs with now."""
+        self.nodes.labels(self.job).set(nodes)
+        self.world_size.labels(self.job).set(world_size)
+
+    def resized(self, direction: str, nodes: int, world_size: int) -> None:
+        """An elastic resize to `nodes` nodes and `world_size` ranks ("shrink" or "grow")."""
+        if direction not in RESIZE_DIRECTIONS:  # a bug in the caller, not an operator's input
+            raise ValueError(f"unknown resize direction {direction!r}; expected one of {RESIZE_DIRECTIONS}")
+        self.resizes.labels(self.job, direction).inc()
+        self.set_size(nodes, world_size)
 
     def heartbeat_age(self, rank: int, node: str, seconds: float, sent_at: float | None = None) -> None:
         self.heartbeat.labels(self.job, str(rank), node).set(seconds)

@@ -58,6 +58,10 @@ ANNOTATIONS = (
                "red", "restart", "{{job}}: restart after {{cause}}", "job,cause"),
     Annotation("Faults", 'sum by (job, kind) (changes(longrun_job_faults_total{job=~"$job"}[1m])) > 0',
                "orange", "fault", "{{job}}: {{kind}}", "job,kind"),
+    # An elastic job (recovery.min_nodes) continuing on fewer nodes, or back at its configured size.
+    Annotation("Resizes",
+               'sum by (job, direction) (changes(longrun_elastic_resizes_total{job=~"$job"}[1m])) > 0',
+               "blue", "resize", "{{job}}: {{direction}}", "job,direction"),
 )
 _RUNNING_HINT = "Empty until the job's controller has been scraped."
 
@@ -66,8 +70,8 @@ def overview() -> Dashboard:
     step = "longrun_train_step_duration_seconds"
     return Dashboard(
         uid="longrun-overview", title="longrun / overview",
-        description="Is the job training, how fast, and what went wrong. Restarts and faults are "
-                    "marked on every time series.",
+        description="Is the job training, how fast, and what went wrong. Restarts, faults and "
+                    "elastic resizes are marked on every time series.",
         variables=VARIABLES, annotations=ANNOTATIONS,
         items=(
             Row("Job"),
@@ -142,9 +146,16 @@ def overview() -> Dashboard:
             Panel("Restore time by source",
                   (Target(f"max by (source) ({sel('longrun_checkpoint_restore_seconds', rank=True)})",
                           "{{source}}"),),
-                  unit="s", width=16,
+                  unit="s", width=8,
                   description="How long the slowest rank took to restore at the start of an attempt, by "
                               "where it read the state: storage, or a peer's memory."),
+            Panel("Job size", (Target(f"max by (job) ({sel('longrun_job_nodes')})", "{{job}} nodes"),
+                               Target(f"max by (job) ({sel('longrun_job_world_size')})", "{{job}} ranks")),
+                  unit="none", width=8,
+                  description="Nodes and ranks the job runs with. An elastic job (recovery.min_nodes) that "
+                              "loses a node it cannot replace within recovery.shrink_after_s continues on "
+                              "fewer, with the same global batch, and grows back at a checkpoint once the "
+                              "configured nodes can be placed again (the Resizes annotation marks each)."),
             Panel("Heartbeat age by rank",
                   (Target(f"time() - max by (rank, node) "
                           f"({sel('longrun_heartbeat_timestamp_seconds', rank=True)})",

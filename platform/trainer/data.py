@@ -11,9 +11,10 @@ The corpus is indexed from document lengths (plus an 8 KiB sniff per file to ski
 are not text); tokens are read only when a chunk is drawn, so the 30 MB standard library
 indexes in a fraction of a second.
 
-`DocumentSampler` decides the order: a seeded permutation per epoch, sharded across data-parallel
-ranks, with a position that `state_dict()` captures exactly (a mixture of several prepared
-datasets: `mixture.py`).
+`DocumentSampler` decides the order: one seeded permutation of all documents per epoch, the
+same on every rank, with a position that `state_dict()` captures exactly and that fits any
+world size (a mixture of several prepared datasets: `mixture.py`). Every rank draws each step's
+whole global batch from it; `step.py` splits the batch among the ranks.
 """
 
 from __future__ import annotations
@@ -226,36 +227,37 @@ def build_corpus(
     )
 
 
+def refuse_per_rank_position(state: dict[str, Any]) -> None:
+    """A position saved by an earlier longrun, in which each data-parallel rank had its own
+    share of the order, names no point of the one global order: refuse it."""
+    if int(state.get("dp_size", 1)) > 1:
+        raise DataError(
+            f"cannot resume the data order: the saved position was written by an earlier longrun "
+            f"with per-rank data positions (dp_size = {state['dp_size']}, one position per "
+            "data-parallel rank); this longrun keeps one global position and cannot tell where that "
+            "run stood in it. Finish that run with the longrun that wrote it, or start a new run")
+
+
 class DocumentSampler:
-    """An endless stream of document indices for one data-parallel rank.
+    """An endless stream of document indices: the one global order, identical on every rank.
 
-    Epoch e visits a permutation seeded by (seed, e); rank r takes every dp_size-th entry from
-    r, after dropping the tail that does not divide evenly, so all ranks see the same number
-    of documents per epoch and no document twice. The position is (epoch, index), which is
-    all `state_dict()` needs: a restored sampler yields exactly the same documents onward.
-    Seeded by its own generator, independent of torch's RNG (model init, dropout)."""
+    Epoch e visits a permutation of all documents seeded by (seed, e). The position is
+    (epoch, index), which is all `state_dict()` needs: a restored sampler yields exactly the
+    same documents onward, at any world size (nothing in it names a rank or a layout). Seeded
+    by its own generator, independent of torch's RNG (model init, dropout)."""
 
-    def __init__(self, num_docs: int, *, seed: int, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank ({dp_rank}) must lie in [0, dp_size = {dp_size})")
-        if num_docs < dp_size:
-            raise DataError(
-                f"the corpus has {num_docs} documents, fewer than the {dp_size} data-parallel "
-                "ranks; use more data or fewer ranks"
-            )
+    def __init__(self, num_docs: int, *, seed: int, shuffle: bool = True):
+        if num_docs < 1:
+            raise DataError("the corpus has no documents; use more data")
         self.num_docs, self.seed, self.shuffle = num_docs, seed, shuffle
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.per_rank = num_docs // dp_size
         self.epoch, self.index = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
-    def _shard(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
             # A (seed, epoch) pair rather than seed + epoch: seed 1 epoch 0 != seed 0 epoch 1.
-            perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
-                    if self.shuffle else np.arange(self.num_docs))
-            self._order = perm[: self.per_rank * self.dp_size][self.dp_rank :: self.dp_size]
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
+                           if self.shuffle else np.arange(self.num_docs))
             self._order_epoch = epoch
         return self._order
 
@@ -263,27 +265,25 @@ class DocumentSampler:
         return self
 
     def __next__(self) -> int:
-        if self.index >= self.per_rank:
+        if self.index >= self.num_docs:
             self.epoch, self.index = self.epoch + 1, 0
-        doc = int(self._shard(self.epoch)[self.index])
+        doc = int(self._permutation(self.epoch)[self.index])
         self.index += 1
         return doc
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch, "index": self.index, "seed": self.seed,
-            "num_docs": self.num_docs, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-        }
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_docs": self.num_docs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "parts" in state:
             raise DataError("cannot resume the data order: the saved position is of a mixture "
                             f"of {len(state['parts'])} datasets, this job reads one (data.mix was removed)")
+        refuse_per_rank_position(state)
         mine = self.state_dict()
-        for key in ("seed", "num_docs", "dp_rank", "dp_size"):
+        for key in ("seed", "num_docs"):
             if state[key] != mine[key]:
                 raise DataError(
                     f"cannot resume the data order: the saved sampler has {key} = {state[key]}, "
-                    f"this one {mine[key]} (the data, seed or data-parallel layout changed)"
+                    f"this one {mine[key]} (the data or the seed changed)"
                 )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])

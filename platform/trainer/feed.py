@@ -1,10 +1,15 @@
-"""Where each step's work comes from: the corpus, the resumable sampler, and packing (under
-context parallelism: planning global batches) in a prefetch thread.
+"""Where each step's work comes from: the corpus, the resumable sampler, one global batch per
+step and this rank's part of it (split, or under context parallelism planned), made in a
+prefetch thread.
 
-    feed = StepFeed(cfg, corpus, sampler, cp=setup, device=device)
+    feed = StepFeed(cfg, corpus, sampler, cp=setup, device=device, rank=r, ranks=n)
     work, waited = feed.next()     # this rank's StepWork for the next step
     feed.done(work)                # the step happened: its data is consumed
     feed.state                     # the sampler position after the last step done (checkpointed)
+
+Every rank of the span draws the same global batch of `cfg.global_batch_tokens` tokens from the
+one global order, so `state` is the same on every rank and names no rank or layout: it loads
+at any world size, and a job resumed on fewer or more ranks trains the same batches.
 
 The prefetch thread runs ahead of training, so the live sampler is never the position to save:
 each step's work carries the position after it, and only a step marked done moves `state`.
@@ -23,53 +28,55 @@ from longrun.trainer.corpus import Corpus
 from longrun.trainer.cp.batches import ContextParallelSetup, planned_steps
 from longrun.trainer.data import DocumentSampler
 from longrun.trainer.mixture import MixtureSampler
-from longrun.trainer.packing import Prefetcher, packed_micro_batches
-from longrun.trainer.step import StepWork, plain_step, planned_step
+from longrun.trainer.packing import Prefetcher, global_batches
+from longrun.trainer.step import StepWork, data_parallel_step, planned_step
 
 
 class StepFeed:
+    """`rank` of `ranks`: this rank's place in the span the global batch is split over (without
+    context parallelism; under it the setup knows its span)."""
+
     def __init__(self, cfg: JobConfig, corpus: Corpus, sampler: DocumentSampler | MixtureSampler, *,
-                 cp: ContextParallelSetup | None, device: torch.device):
+                 cp: ContextParallelSetup | None, device: torch.device, rank: int = 0, ranks: int = 1):
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank ({rank}) must lie in [0, ranks = {ranks})")
         self.cfg, self.corpus, self.sampler, self.cp, self.device = cfg, corpus, sampler, cp, device
+        self.rank, self.ranks = rank, ranks
         self.state: dict[str, Any] = sampler.state_dict()
         self._prefetcher: Prefetcher[Any] | None = None
 
     def _source(self) -> Prefetcher[Any]:
-        """Micro-batches; under context parallelism, planned global batches (`PlannedStep`),
-        whose plans the prefetch thread makes while the current step trains."""
+        """This rank's `StepWork` per step; under context parallelism, planned global batches
+        (`PlannedStep`), whose plans the prefetch thread makes while the current step trains."""
         if self._prefetcher is None:
             self.sampler.load_state_dict(self.state)
             budget = self.cfg.data.micro_batch_tokens
+            batches = global_batches(self.corpus, self.sampler, self.cfg.global_batch_tokens)
             source: Any
             if self.cp is None:
-                source = packed_micro_batches(self.corpus, self.sampler, budget)
+                source = (data_parallel_step(batch, self.corpus, self.rank, self.ranks, budget)
+                          for batch in batches)
             else:
-                global_tokens = budget * self.cfg.training.grad_accum * self.cp.span_size
-                source = planned_steps(packed_micro_batches(self.corpus, self.sampler, global_tokens),
-                                       self.cp, budget)
+                source = planned_steps(batches, self.corpus, self.cp, budget)
             self._prefetcher = Prefetcher(source, self.cfg.data.prefetch)
         return self._prefetcher
 
     def next(self) -> tuple[StepWork, float]:
         """The next step's work and the seconds spent waiting for it."""
         data = self._source()
-        if self.cp is not None:
-            return planned_step(next(data), self.cp, self.device), data.last_wait_s
-        batches, wait = [], 0.0
-        for _ in range(self.cfg.training.grad_accum):
-            batches.append(next(data))
-            wait += data.last_wait_s
-        return plain_step(batches), wait
+        item = next(data)
+        work = item if self.cp is None else planned_step(item, self.cp, self.device)
+        return work, data.last_wait_s
 
     def done(self, work: StepWork) -> None:
         """`work`'s step happened (trained or skipped): its data is consumed."""
         self.state = work.sampler_state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpointed position (checked against this corpus and layout)."""
+        """Continue from a checkpointed position (checked against this corpus, seed and mixture)."""
         self.close()  # the data thread must not run while the sampler is repositioned
         self.sampler.load_state_dict(state)
-        self.state = dict(state)
+        self.state = self.sampler.state_dict()  # in this longrun's form (an older one's extra keys go)
 
     def close(self) -> None:
         """Stop the data thread. The sampler may then be repositioned; training may go on."""

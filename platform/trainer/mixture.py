@@ -8,13 +8,13 @@ listed). After any number of draws each dataset's count is within one document o
 same rule Megatron-LM's blended datasets use.)
 
 Within a dataset the order is that dataset's own `DocumentSampler`: a permutation per epoch,
-seeded by (job seed, dataset index), sharded across the data-parallel ranks. A small dataset
-simply starts its next epoch sooner. The position is the per-dataset counts plus each
-dataset's (epoch, index): integers, which `state_dict()` holds and a restored sampler continues
-from exactly. Every rank computes the same sequence of datasets, and takes its own documents
-from each.
+seeded by (job seed, dataset index). A small dataset simply starts its next epoch sooner. The
+position is the per-dataset counts plus each dataset's (epoch, index): integers, which
+`state_dict()` holds and a restored sampler continues from exactly. There is one mixture order
+for the whole job: every rank draws the same sequence (each step's global batch, which
+`step.py` splits among the ranks), so the position fits any world size.
 
-    sampler = build_sampler(cfg.data, corpus, seed=cfg.job.seed, dp_rank=r, dp_size=n)
+    sampler = build_sampler(cfg.data, corpus, seed=cfg.job.seed)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from longrun.config.sections import DataSection
 from longrun.data.errors import DataError
 from longrun.trainer.corpus import Corpus
-from longrun.trainer.data import DocumentSampler
+from longrun.trainer.data import DocumentSampler, refuse_per_rank_position
 
 
 def _dataset_seed(seed: int, dataset: int) -> int:
@@ -35,26 +35,24 @@ def _dataset_seed(seed: int, dataset: int) -> int:
 
 
 class MixtureSampler:
-    """An endless stream of corpus item indices for one data-parallel rank, from the datasets
+    """An endless stream of corpus item indices, the same on every rank, from the datasets
     whose items are the consecutive ranges of `sizes`, each drawn with its share of `weights`."""
 
-    def __init__(self, sizes: list[int], weights: list[float], *, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1, names: list[str] | None = None, shuffle: bool = True):
+    def __init__(self, sizes: list[int], weights: list[float], *, seed: int,
+                 names: list[str] | None = None, shuffle: bool = True):
         if len(sizes) != len(weights) or not sizes:
             raise ValueError(f"one weight per dataset: {len(sizes)} datasets, {len(weights)} weights")
         if not all(w > 0 for w in weights):
             raise ValueError(f"mixture weights must be positive, got {list(weights)}")
         names = names or [f"dataset {i}" for i in range(len(sizes))]
-        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.seed = seed
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self._offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         self.parts: list[DocumentSampler] = []
         for i, (size, name) in enumerate(zip(sizes, names, strict=True)):
-            if size < dp_size:
-                raise DataError(f"{name} has {size} documents, fewer than the {dp_size} data-parallel "
-                                "ranks; every dataset of a mixture needs at least one per rank")
-            self.parts.append(DocumentSampler(int(size), seed=_dataset_seed(seed, i), dp_rank=dp_rank,
-                                              dp_size=dp_size, shuffle=shuffle))
+            if size < 1:
+                raise DataError(f"{name} holds no documents; every dataset of a mixture needs some")
+            self.parts.append(DocumentSampler(int(size), seed=_dataset_seed(seed, i), shuffle=shuffle))
         self.drawn = np.zeros(len(sizes), dtype=np.int64)
 
     def next_dataset(self) -> int:
@@ -70,41 +68,36 @@ class MixtureSampler:
         return int(self._offsets[part]) + next(self.parts[part])
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-            "weights": self.weights.tolist(), "drawn": self.drawn.tolist(),
-            "parts": [p.state_dict() for p in self.parts],
-        }
+        return {"seed": self.seed, "weights": self.weights.tolist(), "drawn": self.drawn.tolist(),
+                "parts": [p.state_dict() for p in self.parts]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "parts" not in state:
             raise DataError(
                 f"cannot resume the data order: the saved position is of a single dataset, this job "
                 f"mixes {len(self.parts)} (data.path became data.mix)")
-        mine = self.state_dict()
-        for key in ("seed", "dp_rank", "dp_size"):
-            if state[key] != mine[key]:
-                raise DataError(
-                    f"cannot resume the data order: the saved mixture has {key} = {state[key]}, this "
-                    f"one {mine[key]} (the seed or data-parallel layout changed)")
-        if len(state["parts"]) != len(self.parts) or not np.array_equal(state["weights"], mine["weights"]):
+        refuse_per_rank_position(state)
+        if state["seed"] != self.seed:
+            raise DataError(
+                f"cannot resume the data order: the saved mixture has seed = {state['seed']}, this "
+                f"one {self.seed} (the seed changed)")
+        if len(state["parts"]) != len(self.parts) or not np.array_equal(state["weights"], self.weights):
             raise DataError(
                 f"cannot resume the data order: the saved mixture has weights {state['weights']}, "
-                f"data.mix gives {mine['weights']} (normalised); a mixture resumes with the datasets "
-                "and weights it was saved with")
+                f"data.mix gives {self.weights.tolist()} (normalised); a mixture resumes with the "
+                "datasets and weights it was saved with")
         for part, saved in zip(self.parts, state["parts"], strict=True):
             part.load_state_dict(saved)  # checks each dataset's size
         self.drawn = np.asarray(state["drawn"], dtype=np.int64).copy()
 
 
-def build_sampler(data: DataSection, corpus: Corpus, *, seed: int, dp_rank: int = 0,
-                  dp_size: int = 1) -> DocumentSampler | MixtureSampler:
-    """The document order of `corpus`: a mixture sampler for `data.mix`, else one permutation
-    per epoch over all its documents."""
+def build_sampler(data: DataSection, corpus: Corpus, *, seed: int) -> DocumentSampler | MixtureSampler:
+    """The one global document order of `corpus`: a mixture sampler for `data.mix`, else one
+    permutation per epoch over all its documents."""
     if data.mix is None:
-        return DocumentSampler(len(corpus), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+        return DocumentSampler(len(corpus), seed=seed)
     sizes = getattr(corpus, "part_sizes", None)
     if sizes is None or len(sizes) != len(data.mix):
         raise ValueError("data.mix needs the corpus of its prepared directories (open_token_corpus)")
     return MixtureSampler([int(n) for n in sizes], [item.weight for item in data.mix], seed=seed,
-                          dp_rank=dp_rank, dp_size=dp_size, names=[item.path for item in data.mix])
+                          names=[item.path for item in data.mix])

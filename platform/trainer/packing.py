@@ -1,13 +1,17 @@
-"""Packing documents into micro-batches under a token budget, and prefetching them.
+"""Packing documents into batches under a token budget, and prefetching them.
 
 A micro-batch is one 1-D stream of whole documents (`cu_seqlens` marks where each starts), at
-most `micro_batch_tokens` long. Documents are taken in sampler order and never split or
-reordered (next-fit), so the order is a function of the sampler position alone.
+most `micro_batch_tokens` long. A step's *global batch* (`global_batches`) is chosen the same
+way over all ranks: documents taken in the one global sampler order and never split or
+reordered (next-fit) up to the global token budget, from their lengths alone (no tokens are
+read), so a step's documents are a function of the sampler position and the budget, not of
+the number of ranks. `step.py` then splits a global batch among the ranks, and each rank reads
+only its own documents.
 
-Resumability with a prefetcher running ahead: each `MicroBatch` carries `sampler_state`, the
-sampler position from which the documents *after* this micro-batch are drawn. Whoever consumes
-micro-batches saves the state of the last one consumed, never the live sampler's, which the
-background thread has already advanced.
+Resumability with a prefetcher running ahead: each `GlobalBatch` (and `MicroBatch` from
+`packed_micro_batches`) carries `sampler_state`, the sampler position from which the documents
+*after* it are drawn. Whoever consumes them saves the state of the last one consumed, never the
+live sampler's, which the background thread has already advanced.
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from longrun.trainer.data import Corpus, DocumentSampler
+from longrun.trainer.corpus import Corpus
+
+if TYPE_CHECKING:
+    from longrun.trainer.data import DocumentSampler
+    from longrun.trainer.mixture import MixtureSampler
 
 IGNORE_INDEX = -100
 
@@ -38,6 +46,8 @@ class MicroBatch:
     n_tokens: int  # targets that count in the loss (T - n_docs)
     max_seqlen: int
     sampler_state: dict[str, Any] | None = field(default=None, compare=False)
+    # The corpus index of each document, where the builder knew it: which data a step trained.
+    doc_ids: tuple[int, ...] | None = field(default=None, compare=False)
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -56,8 +66,10 @@ class MicroBatch:
         )
 
 
-def build_micro_batch(docs: list[np.ndarray], sampler_state: dict | None = None) -> MicroBatch:
-    """Concatenate documents (int arrays, each at least 1 token) into one packed micro-batch."""
+def build_micro_batch(docs: list[np.ndarray], sampler_state: dict | None = None,
+                      doc_ids: Sequence[int] | None = None) -> MicroBatch:
+    """Concatenate documents (int arrays, each at least 1 token) into one packed micro-batch;
+    `doc_ids`: their corpus indices, when known."""
     if not docs:
         raise ValueError("a micro-batch needs at least one document")
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
@@ -78,36 +90,67 @@ def build_micro_batch(docs: list[np.ndarray], sampler_state: dict | None = None)
         n_tokens=len(tokens) - len(docs),
         max_seqlen=int(lengths.max()),
         sampler_state=sampler_state,
+        doc_ids=None if doc_ids is None else tuple(int(i) for i in doc_ids),
     )
 
 
-def packed_micro_batches(
-    corpus: Corpus, sampler: DocumentSampler, token_budget: int
-) -> Iterator[MicroBatch]:
-    """Endless micro-batches of at most `token_budget` tokens, documents in sampler order.
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One step's documents over all ranks, before any is read: corpus indices in sampler order."""
 
-    A document that does not fit is held for the next micro-batch; the state recorded is the
-    one from *before* drawing it, so a restored sampler draws it again first."""
-    pending: tuple[np.ndarray, dict] | None = None
+    indices: np.ndarray  # int64 [n_docs]
+    lengths: np.ndarray  # int64 [n_docs]: tokens of each (BOS/EOS included)
+    sampler_state: dict[str, Any]  # where the data goes on after this batch
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def loss_tokens(self) -> int:
+        """Targets that count in the loss: a document's last token predicts nothing."""
+        return self.tokens - len(self.lengths)
+
+
+def global_batches(corpus: Corpus, sampler: DocumentSampler | MixtureSampler, token_budget: int, *,
+                   budget_name: str = "training.global_batch_tokens") -> Iterator[GlobalBatch]:
+    """Endless batches of at most `token_budget` tokens, documents in sampler order (next-fit).
+
+    A document that does not fit is held for the next batch; the state recorded is the one
+    from *before* drawing it, so a restored sampler draws it again first. Lengths come from
+    `corpus.chunk_lengths`: choosing a batch reads no tokens."""
+    lengths = corpus.chunk_lengths
+    pending: tuple[int, int, dict] | None = None  # (index, length, sampler state before it)
     while True:
-        docs: list[np.ndarray] = []
+        indices: list[int] = []
         used = 0
         while used < token_budget:
             if pending is None:
                 state = sampler.state_dict()
-                doc = corpus[next(sampler)]
-                if len(doc) > token_budget:
+                doc = next(sampler)
+                if lengths[doc] > token_budget:
                     raise ValueError(
-                        f"a document of {len(doc)} tokens does not fit data.micro_batch_tokens "
-                        f"({token_budget}); raise micro_batch_tokens to at least model.max_seq_len"
-                    )
-                pending = (doc, state)
-            if used + len(pending[0]) > token_budget:
+                        f"a document of {lengths[doc]} tokens does not fit {budget_name} "
+                        f"({token_budget}); raise it to at least model.max_seq_len")
+                pending = (doc, int(lengths[doc]), state)
+            if used + pending[1] > token_budget:
                 break
-            docs.append(pending[0])
-            used += len(pending[0])
+            indices.append(pending[0])
+            used += pending[1]
             pending = None
-        yield build_micro_batch(docs, pending[1] if pending else sampler.state_dict())
+        chosen = np.array(indices, dtype=np.int64)
+        yield GlobalBatch(chosen, lengths[chosen].astype(np.int64),
+                          pending[2] if pending else sampler.state_dict())
+
+
+def packed_micro_batches(
+    corpus: Corpus, sampler: DocumentSampler | MixtureSampler, token_budget: int
+) -> Iterator[MicroBatch]:
+    """Endless micro-batches of at most `token_budget` tokens, documents in sampler order:
+    `global_batches` of one rank, read and packed."""
+    for batch in global_batches(corpus, sampler, token_budget, budget_name="data.micro_batch_tokens"):
+        yield build_micro_batch([corpus[int(i)] for i in batch.indices], batch.sampler_state,
+                                batch.indices)
 
 
 T = TypeVar("T")

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 
@@ -69,9 +70,12 @@ class ParallelModel:
                 "optimizer": sum(held(v) for v in moments)}
 
     def state_dicts(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """(model, optimizer) state to checkpoint: here every rank holds all of it."""
-        return self.module.state_dict(), optimizer.state_dict()
+        """(model, optimizer) state to checkpoint, by parameter name in every layout (torch's
+        `get_state_dict`: the optimizer's state keyed by name, not position), so a checkpoint
+        of whole weights and one of DTensor pieces name the same tensors and either restores
+        into the other. Where the weights are sharded it holds this rank's pieces. Note:
+        an optimizer without state yet (before its first step) is given one (a step at lr 0)."""
+        return get_state_dict(self.module, optimizer)
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, model: dict, optim: dict) -> None:
-        self.module.load_state_dict(model)
-        optimizer.load_state_dict(optim)
+        set_state_dict(self.module, optimizer, model_state_dict=model, optim_state_dict=optim)

@@ -1,10 +1,10 @@
 """The model when its parameters are DTensors: tensor parallel, FSDP2/HSDP, or both.
 
-The state a checkpoint takes is torch's sharded state dict (`get_state_dict`): the model's
-DTensors by parameter name, and the optimizer's state by parameter name too (AdamW's moments
-are DTensors shaped like their parameters). Each rank thus hands over only what it holds;
-`longrun.checkpoint` writes each piece once per replica group and maps it back onto the live
-DTensors on restore.
+The state a checkpoint takes is torch's sharded state dict (`get_state_dict`, as in every
+layout: `ParallelModel.state_dicts`): the model's DTensors by parameter name, and the
+optimizer's state by parameter name too (AdamW's moments are DTensors shaped like their
+parameters). Each rank thus hands over only what it holds; `longrun.checkpoint` writes each
+piece once and reads back whichever pieces this rank holds at its layout.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -50,13 +49,3 @@ class ShardedModel(ParallelModel):
 
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.tensor_parallel else contextlib.nullcontext()
-
-    def state_dicts(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        return get_state_dict(self.module, optimizer)
-
-    def load_state_dicts(self, optimizer: torch.optim.Optimizer, model: dict, optim: dict) -> None:
-        if any(isinstance(key, int) for key in optim.get("state", {})):
-            raise ValueError("this optimizer state was written without sharding (keyed by "
-                             "position, not parameter name); resume it with parallelism.fsdp "
-                             "and tp at 1, or start afresh")
-        set_state_dict(self.module, optimizer, model_state_dict=model, optim_state_dict=optim)

@@ -1,21 +1,29 @@
 """What one optimizer step computes on this rank: its micro-batches, as one shape for every
 layout.
 
-Plain and data-parallel training is the degenerate plan: each rank packs its own micro-batches
-of whole documents, and the loss-token count of the global batch is only known after summing
-over the ranks. Under context parallelism (`cp/batches.py`) the step is a planned global batch:
-every rank of the span draws the same documents, so the count is known everywhere, and a
-micro-batch may be a slice of documents spread over a CP group, or idle. Both become a `StepWork`,
-and the trainer has one forward/backward path over it.
+A step is one *global* batch (`packing.global_batches`: documents in the one global order up
+to the global token budget), drawn the same by every rank of the span, so its loss-token count
+is known everywhere and no rank's share depends on how many ranks there are. Without context
+parallelism `data_parallel_step` splits it: whole documents, longest first to the least-loaded
+rank (`split_among_ranks`), each rank's packed into micro-batches of at most
+data.micro_batch_tokens (`pack_first_fit`), every rank running as many micro-batches as the
+busiest one (idle ones pad). Every rank computes the same split from the lengths alone, and
+reads only its own documents. Under context parallelism (`cp/batches.py`) the planner splits
+it instead, and a micro-batch may be a slice of documents spread over a CP group. Both become
+a `StepWork`, and the trainer has one forward/backward path over it.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from longrun.trainer.packing import MicroBatch
+import numpy as np
+
+from longrun.trainer.corpus import Corpus
+from longrun.trainer.packing import GlobalBatch, MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
     from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch
@@ -47,8 +55,8 @@ class MicroBatchWork:
 @dataclass(frozen=True)
 class StepWork:
     micro_batches: list[MicroBatchWork]
-    # Loss tokens of the whole global batch when every rank knows it (a planned batch); None
-    # when each rank knows only its own and they must be summed over the ranks.
+    # Loss tokens of the whole global batch, known to every rank (it drew the whole batch);
+    # None when each rank knows only its own and they must be summed (`plain_step`).
     loss_tokens: int | None
     sampler_state: dict[str, Any] | None  # where the data goes on after this step
     plan: Plan | None = None  # the context-parallel plan, for metrics
@@ -58,8 +66,62 @@ class StepWork:
         return sum(w.tokens for w in self.micro_batches)
 
 
+def split_among_ranks(lengths: np.ndarray, n_ranks: int) -> list[list[int]]:
+    """Which documents of a global batch (positions into `lengths`) each rank trains, each list
+    in global order: longest first to the least-loaded rank (by tokens), ties to the earlier
+    document and the lower rank. A function of the lengths alone, so every rank computes the
+    same split without talking."""
+    order = np.lexsort((np.arange(len(lengths)), -np.asarray(lengths)))
+    loads = [(0, rank) for rank in range(n_ranks)]  # a heap: the least loaded, then the lowest
+    shares: list[list[int]] = [[] for _ in range(n_ranks)]
+    for i in order.tolist():
+        load, rank = heapq.heappop(loads)
+        shares[rank].append(i)
+        heapq.heappush(loads, (load + int(lengths[i]), rank))
+    return [sorted(share) for share in shares]
+
+
+def pack_first_fit(positions: list[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:
+    """One rank's documents into micro-batches of at most `token_budget` tokens, first-fit
+    decreasing (few micro-batches, so few idle ones on the other ranks); each micro-batch's
+    documents in global order."""
+    order = sorted(positions, key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        if n > token_budget:
+            raise ValueError(f"a document of {n} tokens does not fit data.micro_batch_tokens "
+                             f"({token_budget}); raise micro_batch_tokens to at least model.max_seq_len")
+        k = next((k for k, free in enumerate(room) if free >= n), len(bins))
+        if k == len(bins):
+            bins.append([])
+            room.append(token_budget)
+        bins[k].append(i)
+        room[k] -= n
+    return [sorted(b) for b in bins]
+
+
+def data_parallel_step(batch: GlobalBatch, corpus: Corpus, rank: int, n_ranks: int,
+                       token_budget: int) -> StepWork:
+    """This rank's part of a global batch split among `n_ranks` ranks (no context parallelism):
+    its micro-batches, then idle ones up to the busiest rank's count (the ranks step through
+    micro-batches in lock-step: the last one synchronises the gradients)."""
+    packed = [pack_first_fit(share, batch.lengths, token_budget)
+              for share in split_among_ranks(batch.lengths, n_ranks)]
+    work = [MicroBatchWork(mb, mb) for mb in (_read(batch, corpus, positions) for positions in packed[rank])]
+    work += [MicroBatchWork(None, None)] * (max(map(len, packed)) - len(work))
+    return StepWork(work, loss_tokens=batch.loss_tokens, sampler_state=batch.sampler_state)
+
+
+def _read(batch: GlobalBatch, corpus: Corpus, positions: list[int]) -> MicroBatch:
+    ids = batch.indices[positions]
+    return build_micro_batch([corpus[int(i)] for i in ids], doc_ids=ids)
+
+
 def plain_step(batches: list[MicroBatch]) -> StepWork:
-    """A step of this rank's own micro-batches (no context parallelism)."""
+    """A step of micro-batches this rank was handed (e.g. by a test): each rank knows only its
+    own loss-token count, so the trainer sums them over the ranks."""
     return StepWork([MicroBatchWork(mb, mb) for mb in batches], loss_tokens=None,
                     sampler_state=batches[-1].sampler_state if batches else None)
 

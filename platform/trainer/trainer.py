@@ -10,17 +10,15 @@ gradients synchronised in the last one's backward), the NaN checks, clipping, th
 (`parallelize.py`), so the step does not know which parallelisms are on. Phases
 (`on_phase`) mark where the rank is, for heartbeats and metrics.
 
-One optimizer step runs `training.grad_accum` micro-batches. The loss is normalised per token:
-each micro-batch's summed token losses are divided by the number of loss tokens in the *whole
-step*, so the gradient is that of the step's mean token loss however the tokens happen to be
-split into micro-batches (packing makes micro-batch sizes vary). With data parallelism the
-count is summed over the ranks first and the ranks' gradients are summed (`data_parallel.py`), so
-the result is the gradient of the global batch's mean token loss, however the documents were
-split across ranks.
-
-Under context parallelism (`context_parallel=`, see `cp/batches.py`) a step is one planned
-global batch: every rank of the dp x cp span runs the same number of micro-batches, each on
-the CP group the plan gives it, and gradients are summed over the whole span.
+One optimizer step is one global batch of `cfg.global_batch_tokens` tokens (by default
+data.micro_batch_tokens x training.grad_accum x the span), drawn the same by every rank of the
+span and split among them (`step.py`; under context parallelism `context_parallel=`, planned
+over CP groups, `cp/batches.py`); every rank runs the same number of micro-batches. The loss is
+normalised per token: each micro-batch's summed token losses are divided by the number of loss
+tokens in the *whole global batch*, which every rank knows, and the ranks' gradients are summed
+(`data_parallel.py`). So the gradient is that of the global batch's mean token loss however its
+documents were split into micro-batches and ranks: a job at another world size with the same
+global batch follows the same trajectory (up to float summation order).
 
 Where the weights are sharded (`parallelism.fsdp` or `tp` > 1) the trainer is given the job's
 device mesh (`mesh=`, see `ParallelGroups.device_mesh`); the parameters, gradients and AdamW
@@ -117,12 +115,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
-        # Every rank of a CP span draws the same global batch; the plan splits it.
-        shard_rank, shard_size = ((0, 1) if context_parallel is not None
-                                  else (self.parallel.rank, self.parallel.size))
-        sampler = build_sampler(cfg.data, self.corpus, seed=cfg.job.seed, dp_rank=shard_rank,
-                                dp_size=shard_size)
-        self.feed = StepFeed(cfg, self.corpus, sampler, cp=context_parallel, device=self.device)
+        # Every rank of the span draws the same global batch from the one global order; its
+        # share is split off (or, under CP, planned) by rank, so the position fits any layout.
+        sampler = build_sampler(cfg.data, self.corpus, seed=cfg.job.seed)
+        self.feed = StepFeed(cfg, self.corpus, sampler, cp=context_parallel, device=self.device,
+                             rank=self.parallel.rank, ranks=self.parallel.size)
         self.step = 0
         self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)
         # Steps (1-based) whose data is consumed without training (see skip_step).
@@ -179,8 +176,8 @@ class Trainer:
         if not isinstance(work, StepWork):
             work = plain_step(work)
         if work.loss_tokens is None:
-            # Each rank knows only its own count: summed before any backward, so every rank
-            # divides by the same number.
+            # Micro-batches handed in (`plain_step`): each rank knows only its own count, summed
+            # before any backward, so every rank divides by the same number.
             loss_tokens = self.parallel.all_reduce_sum(
                 torch.tensor(sum(w.documents.n_tokens for w in work.micro_batches), device=self.device))
             loss_tokens.clamp_(min=1)
@@ -341,4 +338,5 @@ class Trainer:
         self.parallel.load_state_dicts(self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
-        set_rng_state(state["rng"])
+        if state["rng"] is not None:  # None: restored at another world size, streams kept
+            set_rng_state(state["rng"])

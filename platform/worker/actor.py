@@ -166,7 +166,7 @@ class TrainWorker:
             hooks = StepHooks(beat, metrics)
             hooks.checkpointer = Checkpointer(
                 cfg, rank=self.rank, world_size=cfg.world_size, dp_rank=replicas.rank,
-                dp_size=replicas.size, shard=replicas.shard, on_saved=hooks.saved,
+                dp_size=replicas.size, on_saved=hooks.saved,
                 ledger=RedisCommitLedger(ledger_client, cfg.job.name, self.attempt))
             hooks.faults = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model,
                                          on_fire=self._record_fault(ledger_client), on_phase=hooks.phase)

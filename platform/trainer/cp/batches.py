@@ -1,12 +1,13 @@
 """Planned micro-batches for context parallelism: global batches in, this rank's work out.
 
 With context parallelism the unit of data is a *global* batch shared by all dp x cp ranks (the
-"span"): every rank draws the same documents (cheap: token ids), the planner partitions the
-ranks into CP groups per micro-batch and assigns documents to groups (`cp/planner.py`), and
-each rank keeps what its group trains, cut to its own shard when the group has more than one
-rank. Because every rank computes the same plan from the same lengths, no rank has to tell
-another what to do. Planning runs in the prefetch thread, so the plan of the next global batch
-is made while the current one trains.
+"span"), as it is without (`step.py`): every rank draws the same documents' lengths
+(`packing.global_batches`), the planner partitions the ranks into CP groups per micro-batch and
+assigns documents to groups (`cp/planner.py`), and each rank reads and keeps what its group
+trains, cut to its own shard when the group has more than one rank. Because every rank
+computes the same plan from the same lengths, no rank has to tell another what to do.
+Planning runs in the prefetch thread, so the plan of the next global batch is made while the
+current one trains.
 
 Static CP is the same machinery with every group of the configured size (`plan_static`), so
 static and dynamic runs differ only in the plan.
@@ -15,7 +16,7 @@ static and dynamic runs differ only in the plan.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from longrun.parallel_dims import ParallelDims
+from longrun.trainer.corpus import Corpus
 from longrun.trainer.cp.attention import ContextParallelAttention, CPGroups
 from longrun.trainer.cp.layout import LocalShard, ShardLayout
 from longrun.trainer.cp.planner import CostModel, Plan, PlannedGroup, plan_dynamic, plan_static
-from longrun.trainer.packing import MicroBatch, build_micro_batch
+from longrun.trainer.packing import GlobalBatch, MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
     from longrun.commgroup.groups import ParallelGroups
@@ -137,29 +139,42 @@ def split_documents(batch: MicroBatch) -> list[np.ndarray]:
 
 def plan_step(docs: list[np.ndarray], setup: ContextParallelSetup, token_budget: int,
               sampler_state: dict[str, Any] | None = None) -> PlannedStep:
-    """Plan one global batch of documents and keep this rank's micro-batches."""
+    """Plan one global batch of documents (in memory) and keep this rank's micro-batches."""
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    return _plan(lengths, docs.__getitem__, setup, token_budget, sampler_state)
+
+
+def plan_global_batch(batch: GlobalBatch, corpus: Corpus, setup: ContextParallelSetup,
+                      token_budget: int) -> PlannedStep:
+    """Plan one global batch from its lengths; read only the documents this rank's groups train."""
+    return _plan(batch.lengths, lambda i: corpus[int(batch.indices[i])], setup, token_budget,
+                 batch.sampler_state, batch.indices)
+
+
+def _plan(lengths: np.ndarray, read: Callable[[int], np.ndarray], setup: ContextParallelSetup,
+          token_budget: int, sampler_state: dict[str, Any] | None,
+          doc_ids: np.ndarray | None = None) -> PlannedStep:
     plan = setup.plan(lengths, token_budget)
     mine = []
     for group in plan.for_rank(setup.span_rank):
         if not group.sequences:
             mine.append(RankMicroBatch(group, None, None))
             continue
-        batch = build_micro_batch([docs[i] for i in group.sequences])
+        ids = None if doc_ids is None else doc_ids[list(group.sequences)]
+        batch = build_micro_batch([read(i) for i in group.sequences], doc_ids=ids)
         shard = None
         if group.cp > 1:
             shard = ShardLayout.of(batch, group.cp).shard(batch, setup.span_rank - group.first_rank)
         mine.append(RankMicroBatch(group, batch, shard))
-    return PlannedStep(mine, loss_tokens=int(lengths.sum() - len(docs)), tokens=int(lengths.sum()),
+    return PlannedStep(mine, loss_tokens=int(lengths.sum() - len(lengths)), tokens=int(lengths.sum()),
                        plan=plan, sampler_state=sampler_state)
 
 
-def planned_steps(global_batches: Iterator[MicroBatch], setup: ContextParallelSetup,
+def planned_steps(global_batches: Iterator[GlobalBatch], corpus: Corpus, setup: ContextParallelSetup,
                   token_budget: int) -> Iterator[PlannedStep]:
-    """Global batches (as packed streams, from `packed_micro_batches` with the global token
-    count as its budget) -> this rank's planned steps."""
+    """Global batches (`packing.global_batches`) -> this rank's planned steps."""
     for batch in global_batches:
-        yield plan_step(split_documents(batch), setup, token_budget, batch.sampler_state)
+        yield plan_global_batch(batch, corpus, setup, token_budget)
 
 
 def cp_attention_for(rmb: RankMicroBatch, setup: ContextParallelSetup, device: torch.device):

@@ -1,0 +1,203 @@
+"""Model and optimizer tensors in the file format of torch's distributed checkpoint (DCP).
+
+A checkpoint's tensors are the pieces the ranks hold (whole tensors without sharding; under
+FSDP and tensor parallelism each rank's slice of each DTensor). Each piece is written once: by
+the lowest rank holding it (the replica leader, first along every mesh dimension the tensor is
+replicated over). A rank's pieces go into one file, `__<rank>_0.distcp`, each as its own
+`torch.save` record, exactly as DCP's FileSystemWriter writes them, and the record's place in
+the file (offset, length), its place in the whole tensor (offsets, sizes) and its SHA-256 are
+reported with the rank's files (`ShardInfo.items`). At commit the coordinator turns the reports
+into DCP's `.metadata`, so `torch.distributed.checkpoint.load(state_dict, checkpoint_id=step_dir)`
+loads a longrun checkpoint as is; longrun itself reads the same table from its manifest
+(`resharding.py`), never unpickling `.metadata`.
+
+Names follow DCP's flattening: the path of a tensor in the trainer's state joined by dots
+(`model.layers.0.attention.wq.weight`, `optimizer.state.<fqn>.exp_avg`).
+
+Why not `dcp.save` itself: its planning is a collective over the process group (every save
+would gather plans on one rank while training runs), and its writer knows nothing of the
+two-stage snapshot, the commit ledger or the checksums. The format is DCP's; the pipeline
+stays ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from longrun.checkpoint.manifest import ShardInfo
+from longrun.checkpoint.snapshot import map_tree
+
+DCP_KEYS = ("model", "optimizer")  # the parts of the trainer state stored in DCP's format
+METADATA_FILE = ".metadata"  # DCP's name
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
+
+
+def data_file_name(rank: int) -> str:
+    """DCP's own naming (`__<rank>_<file>.distcp`): one file per rank."""
+    return f"__{rank}_0.distcp"
+
+
+def fqn_of(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+@dataclass
+class Piece:
+    """One tensor piece a rank holds: where it sits in the whole tensor."""
+
+    fqn: str
+    path: tuple[str | int, ...]  # in the trainer state (DCP's planner_data)
+    local: Tensor  # this rank's piece (a local tensor, never a DTensor)
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    writer: bool  # whether this rank is the one that writes it
+
+
+def _walk(tree: Any, path: tuple[str | int, ...], out: list[tuple[tuple, Tensor]]) -> None:
+    if isinstance(tree, Tensor):
+        out.append((path, tree))
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _walk(v, (*path, k), out)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _walk(v, (*path, i), out)
+
+
+def tensor_leaves(state: dict[str, Any]) -> list[tuple[tuple[str | int, ...], Tensor]]:
+    """(path, tensor) of every tensor in `state`'s model and optimizer, in the tree's order."""
+    found: list[tuple[tuple, Tensor]] = []
+    for key in DCP_KEYS:
+        _walk(state[key], (key,), found)
+    return found
+
+
+def pieces_of(state: dict[str, Any], *, rank: int, replica_leader: bool) -> list[Piece]:
+    """Every tensor piece of `state`'s model and optimizer this rank holds. `replica_leader`:
+    this rank is the first of the ranks holding the same pieces (dp and cp replicas)."""
+    pieces = []
+    for path, t in tensor_leaves(state):
+        if isinstance(t, DTensor):
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            coordinate = t.device_mesh.get_coordinate() or []
+            # A piece replicated along a mesh dimension is written by that dimension's first rank.
+            first = all(coordinate[d] == 0 for d, p in enumerate(t.placements) if isinstance(p, Replicate))
+            local = t.to_local()
+            writer = replica_leader and first and local.numel() > 0
+            pieces.append(Piece(fqn_of(path), path, local, tuple(offset), tuple(t.shape), writer))
+        else:  # whole, and the same on every rank: rank 0 writes it
+            pieces.append(Piece(fqn_of(path), path, t, (0,) * t.dim(), tuple(t.shape), rank == 0))
+    return pieces
+
+
+class _ItemHasher:
+    """A file-like that hashes and counts; `mark()` starts a new item's hash."""
+
+    def __init__(self, out: Any):
+        self._out, self.pos = out, 0
+        self._hash = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._hash.update(data)
+        self.pos += len(data)
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def mark(self) -> str:
+        digest, self._hash = self._hash.hexdigest(), hashlib.sha256()
+        return digest
+
+
+def write_pieces(out: Any, pieces: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write `pieces` ({fqn: {"tensor", "offsets", "global_shape", "path"}}, host tensors) into
+    the binary file `out`, one `torch.save` record each (DCP's FileSystemWriter layout); returns
+    each record's description for the manifest and DCP's metadata."""
+    writer = _ItemHasher(out)
+    items = []
+    for fqn, piece in pieces.items():
+        tensor: Tensor = piece["tensor"]
+        start = writer.pos
+        writer.mark()
+        torch.save(tensor, writer)
+        items.append({"fqn": fqn, "path": list(piece["path"]), "offsets": list(piece["offsets"]),
+                      "sizes": list(tensor.shape), "global_shape": list(piece["global_shape"]),
+                      "dtype": str(tensor.dtype).removeprefix("torch."),
+                      "offset": start, "length": writer.pos - start, "sha256": writer.mark()})
+    return items
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r} in a checkpoint manifest")
+    return dtype
+
+
+@dataclass
+class StoredItem:
+    relative_path: str
+    offset: int
+    length: int
+    sha256: str
+
+
+def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
+    """DCP's metadata and the records by their index, from the manifest's files. Raises
+    ValueError when the pieces of a tensor do not cover it exactly once (a missing or doubled
+    piece), or when two files disagree about a tensor's shape or dtype."""
+    tensors: dict[str, TensorStorageMetadata] = {}
+    planner_data: dict[str, tuple] = {}
+    records: dict[MetadataIndex, StoredItem] = {}
+    for name in sorted(files):
+        for item in files[name].items or ():
+            fqn, shape, dtype = item["fqn"], torch.Size(item["global_shape"]), dtype_of(item["dtype"])
+            md = tensors.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dtype), shape, []))
+            if md.size != shape or md.properties.dtype != dtype:
+                raise ValueError(f"the pieces of {fqn} disagree: {tuple(md.size)} {md.properties.dtype} "
+                                 f"vs {tuple(shape)} {dtype} in {name}")
+            offsets = torch.Size(item["offsets"])
+            index = MetadataIndex(fqn, offsets)
+            if index in records:
+                raise ValueError(f"the piece of {fqn} at {tuple(offsets)} is stored twice")
+            md.chunks.append(ChunkStorageMetadata(offsets, torch.Size(item["sizes"])))
+            planner_data[fqn] = tuple(item["path"])
+            records[index] = StoredItem(name, item["offset"], item["length"], item["sha256"])
+    for fqn, md in tensors.items():
+        covered = sum(math.prod(c.sizes) for c in md.chunks)
+        if covered != math.prod(md.size):
+            raise ValueError(f"the pieces of {fqn} hold {covered} of its {math.prod(md.size)} values; "
+                             "a piece is missing")
+    storage = {index: _StorageInfo(r.relative_path, r.offset, r.length) for index, r in records.items()}
+    return Metadata(tensors, planner_data=planner_data, storage_data=storage,
+                    version=DCP_VERSION), records
+
+
+def metadata_bytes(files: dict[str, ShardInfo]) -> bytes:
+    """DCP's `.metadata` file for a checkpoint of these files (pickled, as DCP writes it)."""
+    metadata, _ = table_of(files)
+    return pickle.dumps(metadata)
+
+
+def skeleton(state: Any) -> Any:
+    """`state` with every tensor replaced by an empty placeholder: the structure and the plain
+    values (optimizer hyper-parameters, the scheduler, the data position), without the bytes."""
+    return map_tree(state, lambda _p, _t: torch.empty(0))

@@ -1,0 +1,136 @@
+"""Reading a checkpoint's tensors into whatever pieces this rank holds now, at any layout.
+
+The saved pieces (any layout) and the pieces this rank needs (its DTensors' local slices, or
+whole tensors) are both boxes in the global tensor; DCP's resharding planner
+(`create_read_items_for_chunk_list`) gives the overlaps. Each overlapping record is read as a
+byte range of its file (never the whole file), checked against the SHA-256 the manifest keeps
+for it, loaded with `torch.load(weights_only=True)`, and the overlap copied into its target.
+A restore reads and verifies every record first (`read_records`) and copies the overlaps into
+the live state (`apply_reads`) only once every rank has read and verified its part, so a
+corrupt checkpoint leaves the trainer as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+
+import fsspec
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from longrun.checkpoint.dcp_format import StoredItem
+
+
+class CorruptShardError(ValueError):
+    """A file or record is missing, truncated or does not match the manifest's checksum."""
+
+
+class PieceMismatchError(ValueError):
+    """What this rank needs is not in the checkpoint, or has another shape or dtype."""
+
+
+@dataclass
+class Wanted:
+    """A piece to fill: `buffer` (the piece's shape: a live local tensor, or a new host one) at
+    `offsets` in the whole tensor of shape `global_shape`."""
+
+    fqn: str
+    buffer: Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+def _box(t: Tensor, offsets, lengths) -> Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def plan_reads(metadata: Metadata, wanted: list[Wanted]) -> list[ReadItem]:
+    """The reads that fill every `wanted` buffer (DCP's resharding planner). Raises
+    PieceMismatchError when a piece is not in the checkpoint or has another shape or dtype."""
+    reads: list[ReadItem] = []
+    for w in wanted:
+        md = metadata.state_dict_metadata.get(w.fqn)
+        if md is None:
+            raise PieceMismatchError(f"{w.fqn} is not in the checkpoint")
+        if tuple(md.size) != tuple(w.global_shape) or md.properties.dtype != w.buffer.dtype:
+            raise PieceMismatchError(
+                f"{w.fqn} is {tuple(md.size)} {md.properties.dtype} in the checkpoint, "
+                f"{tuple(w.global_shape)} {w.buffer.dtype} in this job")
+        if w.buffer.numel() == 0:
+            continue
+        chunk = ChunkStorageMetadata(torch.Size(w.offsets), w.buffer.shape)
+        reads += create_read_items_for_chunk_list(w.fqn, md, [chunk])
+    return reads
+
+
+def read_records(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[MetadataIndex, StoredItem],
+                 reads: list[ReadItem]) -> dict[MetadataIndex, Tensor]:
+    """Every record `reads` (from `plan_reads`) touch, read as a byte range of its file, verified
+    and loaded: {record: tensor}. One read per record, each file front to back once. Raises
+    CorruptShardError on a bad record. Nothing is copied anywhere yet (`apply_reads`)."""
+    wanted = {item.storage_index for item in reads}
+    order = sorted(wanted, key=lambda i: (records[i].relative_path, records[i].offset))
+    loaded: dict[MetadataIndex, Tensor] = {}
+    for path, indices in _grouped(order, records):
+        with fs.open(f"{step_dir}/{path}", "rb") as f:
+            for index in indices:
+                loaded[index] = _load_record(f, records[index], f"{step_dir}/{path}")
+    return loaded
+
+
+def apply_reads(loaded: dict[MetadataIndex, Tensor], reads: list[ReadItem], wanted: list[Wanted]) -> None:
+    """Copy each read's overlap from its loaded record into its `wanted` tensor."""
+    by_name = {w.fqn: w for w in wanted}
+    for item in reads:
+        target = by_name[item.dest_index.fqn].buffer
+        _box(target, item.dest_offsets, item.lengths).copy_(
+            _box(loaded[item.storage_index], item.storage_offsets, item.lengths))
+
+
+def read_pieces(fs: fsspec.AbstractFileSystem, step_dir: str,
+                records: dict[MetadataIndex, StoredItem], wanted: list[Wanted],
+                reads: list[ReadItem]) -> int:
+    """`read_records` then `apply_reads`; returns the bytes read."""
+    loaded = read_records(fs, step_dir, records, reads)
+    apply_reads(loaded, reads, wanted)
+    return sum(records[index].length for index in loaded)
+
+
+def _grouped(order: list[MetadataIndex], records: dict[MetadataIndex, StoredItem]):
+    current, group = None, []
+    for index in order:
+        path = records[index].relative_path
+        if path != current and group:
+            yield current, group
+            group = []
+        current = path
+        group.append(index)
+    if group:
+        yield current, group
+
+
+def _load_record(f, stored: StoredItem, where: str) -> Tensor:
+    f.seek(stored.offset)
+    raw = f.read(stored.length)
+    if len(raw) != stored.length or hashlib.sha256(raw).hexdigest() != stored.sha256:
+        raise CorruptShardError(f"{where}: the record at byte {stored.offset} ({stored.length} bytes) "
+                             "does not match its checksum")
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+
+
+def read_whole(fs: fsspec.AbstractFileSystem, step_dir: str, metadata: Metadata,
+               records: dict[MetadataIndex, StoredItem], prefix: str) -> dict[str, Tensor]:
+    """Every tensor whose name starts with `prefix`, whole (its pieces put together), keyed by
+    the rest of its name: consolidated weights from a checkpoint of any layout (an export)."""
+    wanted = [Wanted(fqn, torch.empty(md.size, dtype=md.properties.dtype), (0,) * len(md.size),
+                     tuple(md.size))
+              for fqn, md in metadata.state_dict_metadata.items() if fqn.startswith(prefix)]
+    read_pieces(fs, step_dir, records, wanted, plan_reads(metadata, wanted))
+    return {w.fqn.removeprefix(prefix): w.buffer for w in wanted}
