@@ -358,3 +358,18 @@ def test_the_restore_vote_names_a_rank_that_never_answers(redis_client):
     assert ledgers[0].agree("restore-4", 0, False, 3, timeout_s=30) is False  # no wait for 1, 2
     with pytest.raises(AgreementTimeout, match=r"ranks 1, 2 did not finish"):
         ledgers[0].agree("restore-3", 0, True, 3, timeout_s=0.2)
+
+
+def test_a_restore_that_finds_nothing_usable_leaves_a_fresh_optimizer_fresh(two_checkpoints):
+    """Building the state to load into gives the optimizer its state (torch's get_state_dict
+    steps it at lr 0); when every checkpoint then proves unusable, the fresh run must stay
+    fresh (AdamW's step count decides its bias correction)."""
+    cfg, root = two_checkpoints
+    for step in (3, 6):
+        shard = root / layout.step_dir_name(step) / data_file_name(0)
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    with Trainer(cfg, progress=False) as trainer:
+        assert Checkpointer(cfg).restore(trainer) is None
+        assert not trainer.optimizer.state

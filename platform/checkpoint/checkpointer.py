@@ -19,6 +19,7 @@ the weights): its rank 0 writes the group's pieces (in torch's distributed-check
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,11 @@ from longrun.config import JobConfig
 from longrun.config.vocabulary import tokenizer_record
 
 log = logging.getLogger(__name__)
+
+# Restores in this process, in order: each votes under its own key. Every rank makes the same
+# sequence of restores, so the n-th restore of every rank shares one key, whichever
+# Checkpointer makes it.
+_RESTORES = itertools.count(1)
 
 
 class Checkpointer:
@@ -60,7 +66,6 @@ class Checkpointer:
         self.last_saved_step: int | None = None  # the step of the newest save handed to the writer
         self.last_blocking_s: float | None = None
         self.saves = self.skipped = 0
-        self._restores = 0  # restores by this checkpointer: each votes under its own key
         # Recorded in every manifest (rank 0 writes it): read once, the file does not change.
         self._tokenizer = tokenizer_record(cfg) if rank == 0 else None
 
@@ -153,13 +158,17 @@ class Checkpointer:
         """Load the newest usable checkpoint (below `before_step` if given) into `trainer`,
         whatever layout wrote it; None (and no change) if there is none. Collective over the
         groups when given (`dp_group`: this rank's replica group)."""
-        ledger, self._restores = self.writer.ledger, self._restores + 1
+        ledger, restore = self.writer.ledger, next(_RESTORES)
         agree = None
         if ledger.shared and self.world_size > 1:
             # A vote outside the process group: a reader that never answers is named.
             def agree(key: str, ok: bool) -> bool:
-                return ledger.agree(f"{key}-{self._restores}", self.rank, ok, self.world_size,
+                return ledger.agree(f"{key}-{restore}", self.rank, ok, self.world_size,
                                     self.cfg.checkpoint.restore_timeout_s)
+        # Building the live state to load into gives an optimizer without state yet its state
+        # (torch's get_state_dict takes a step at lr 0); if nothing is restored after all, that
+        # must not change the fresh run's trajectory (AdamW's step count).
+        fresh = not trainer.optimizer.state
         restored = restore_latest(
             self.fs, self.root, model=self.cfg.model.model_dump(mode="json"),
             template=trainer.state_dict, rank=self.rank, world_size=self.world_size,
@@ -168,4 +177,6 @@ class Checkpointer:
         if restored is not None:
             trainer.load_state_dict(restored.state)
             log.info("resumed from step %d of %s", restored.step, self.root)
+        elif fresh:
+            trainer.optimizer.state.clear()
         return restored

@@ -172,7 +172,8 @@ class RedisCommitLedger:
             votes = {int(k): v in (b"1", "1") for k, v in self._redis.hgetall(name).items()}
             if len(votes) >= world_size or not all(votes.values()):
                 return _agreement(key, votes, world_size, None)
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:  # one last look: a vote may have come meanwhile
+                votes = {int(k): v in (b"1", "1") for k, v in self._redis.hgetall(name).items()}
                 return _agreement(key, votes, world_size, timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, self._POLL_MAX_S)

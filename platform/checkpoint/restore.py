@@ -147,20 +147,37 @@ def broadcast_tree(tree: Any, group: dist.ProcessGroup | None) -> Any:
     return map_tree(skeleton[0], lambda _p, _t: next(it))
 
 
+BROADCAST_BUCKET_BYTES = 256 << 20  # a flat buffer per bucket: bounded extra memory
+
+
 def broadcast_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Overwrite `tensors` on every rank of `group` with those of its rank 0; every rank passes
-    tensors of the same shapes and dtypes, in the same order. One flat buffer per dtype."""
+    tensors of the same shapes and dtypes, in the same order. One flat buffer per dtype and
+    bucket of at most BROADCAST_BUCKET_BYTES (and any one larger tensor)."""
     if group is None or dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
     for dtype in sorted({t.dtype for t in tensors}, key=str):
-        chosen = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.reshape(-1) for t in chosen]).to(device)
-        dist.broadcast(flat, src=src, group=group)
-        for t, part in zip(chosen, flat.cpu().split([t.numel() for t in chosen]), strict=True):
-            t.copy_(part.view(t.shape))
+        for bucket in _buckets([t for t in tensors if t.dtype == dtype]):
+            flat = torch.cat([t.reshape(-1) for t in bucket]).to(device)
+            dist.broadcast(flat, src=src, group=group)
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                t.copy_(part.view(t.shape))
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > BROADCAST_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return [b for b in buckets if b]
 
 
 def _fill(skeleton: Any, tensors: dict[str, torch.Tensor], path: tuple = ()) -> Any:
@@ -213,7 +230,9 @@ def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template
     for path, _ in tensor_leaves(train_state):
         name = fqn_of(path)
         md = metadata.state_dict_metadata.get(name)
-        if name not in held and md is not None:
+        if md is None:  # the structure names a tensor no piece holds: a broken checkpoint
+            raise ManifestError(f"{root}/{step_dir_name(step)}: no piece of {name} was written")
+        if name not in held:
             extra[name] = Wanted(name, torch.empty(md.size, dtype=md.properties.dtype),
                                  (0,) * len(md.size), tuple(md.size))
     wanted = mine + list(extra.values())
