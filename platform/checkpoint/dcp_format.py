@@ -8,8 +8,9 @@ replicated over). A rank's pieces go into one file, `__<rank>_0.distcp`, each as
 the file (offset, length), its place in the whole tensor (offsets, sizes) and its SHA-256 are
 reported with the rank's files (`ShardInfo.items`). At commit the coordinator turns the reports
 into DCP's `.metadata`, so `torch.distributed.checkpoint.load(state_dict, checkpoint_id=step_dir)`
-loads a longrun checkpoint's tensors as is (the plain values live in `train-state.pt`); longrun itself reads the same table from its manifest
-(`resharding.py`), never unpickling `.metadata`.
+loads a longrun checkpoint's tensors as is (the plain values live in `train-state.pt`);
+longrun itself reads the same table from its manifest (`resharding.py`), never unpickling
+`.metadata`.
 
 Names follow DCP's flattening: the path of a tensor in the trainer's state joined by dots
 (`model.layers.0.attention.wq.weight`, `optimizer.state.<fqn>.exp_avg`).
