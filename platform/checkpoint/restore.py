@@ -47,7 +47,6 @@ from longrun.checkpoint.resharding import (
     plan_reads,
     read_records,
 )
-from longrun.checkpoint.snapshot import map_tree, tensors_of
 from longrun.kinds import FaultKind
 
 log = logging.getLogger(__name__)
@@ -116,35 +115,6 @@ def all_ranks_ok(ok: bool, group: dist.ProcessGroup | None) -> bool:
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
-
-
-def broadcast_tree(tree: Any, group: dist.ProcessGroup | None) -> Any:
-    """Send `tree` (given on the group's rank 0, None elsewhere) to every rank of `group`:
-    its structure as one object (tensors as meta tensors: shape and dtype, no data), then its
-    tensors as one flat buffer per dtype."""
-    if group is None or dist.get_world_size(group) == 1:
-        return tree
-    src = dist.get_global_rank(group, 0)
-    on_src = dist.get_rank(group) == 0
-    skeleton = [map_tree(tree, lambda _p, t: torch.empty_like(t, device="meta")) if on_src else None]
-    dist.broadcast_object_list(skeleton, src=src, group=group)
-    specs = [t for _, t in tensors_of(skeleton[0])]
-    leaves = [t for _, t in tensors_of(tree)] if on_src else None
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    received: list[torch.Tensor] = [torch.empty(0)] * len(specs)
-    for dtype in sorted({t.dtype for t in specs}, key=str):
-        idx = [i for i, t in enumerate(specs) if t.dtype == dtype]
-        sizes = [specs[i].numel() for i in idx]
-        if on_src:
-            flat = torch.cat([leaves[i].reshape(-1) for i in idx]).to(device)
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src=src, group=group)
-        for i, part in zip(idx, flat.cpu().split(sizes), strict=True):
-            received[i] = part.view(specs[i].shape)
-    it = iter(received)
-    return map_tree(skeleton[0], lambda _p, _t: next(it))
 
 
 BROADCAST_BUCKET_BYTES = 256 << 20  # a flat buffer per bucket: bounded extra memory
