@@ -5,11 +5,13 @@ The record (controller/job_state.py) is the controller's own account: state, att
 evicted nodes, events. It lives in the job's Redis, which this machine can find only when the
 job's config named one (`cluster.redis_url`; without it the controller embeds a Redis on the
 cluster's loopback). `longrun submit` records that URL in the job's metadata with its
-password masked, since anyone who reaches the Jobs API can read metadata; `status` puts the
-password back from $LONGRUN_REDIS_PASSWORD, or takes a whole URL from --redis-url
-($LONGRUN_REDIS_URL). When there is no URL, no password, no reachable server, or a record left
-by another run of the same job name, the view comes from the controller's log (its state
-changes, steps and events), and `source` says which was used and why.
+password masked, since anyone who reaches the Jobs API can read metadata. Anyone who can
+submit can also write any host there, so `status` sends a password only to the Redis the
+operator configured (--redis-url or $LONGRUN_REDIS_URL, whose password may be the reference
+${LONGRUN_REDIS_PASSWORD}); it uses the metadata's URL only when that needs no password. When
+there is no URL, no password, no reachable server, or a record left by another run of the same
+job name, the view comes from the controller's log (its state changes, steps and events), and
+`source` says which was used and why.
 """
 
 from __future__ import annotations
@@ -20,17 +22,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import redis
 
 from longrun.controller.job_state import job_status
+from longrun.goodput.summary import read_summary
 from longrun.kinds import JobState
+from longrun.redact import PASSWORD_ENV, redact
+from longrun.redis_password import REFERENCE, RedisPasswordError, password_of, resolve
 from longrun.services.redis_client import quick_client
 
 URL_ENV = "LONGRUN_REDIS_URL"
-PASSWORD_ENV = "LONGRUN_REDIS_PASSWORD"
-MASK = "***"
 # The record's times and Ray's job times both come from the head node's clock; this covers
 # the gap between the controller's first write and Ray noting the job's start (and its end).
 CLOCK_SLACK_S = 5.0
@@ -42,6 +44,7 @@ _EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume|waiting
                     r"resized): (.*)$")
 _RESIZED = re.compile(r"-> (\d+) node\(s\), \d+ -> (\d+) rank\(s\)")  # the controller's "resized" event
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_GOODPUT = re.compile(r"^goodput \d+(\.\d+)?% of ")  # the controller's goodput line (goodput/summary.py)
 
 
 @dataclass
@@ -59,6 +62,9 @@ class ControllerView:
     # Nodes and ranks the job runs with, e.g. "2 of 3 node(s), 4 rank(s)": fewer than configured
     # while an elastic job is shrunk (recovery.min_nodes). None: not known (an older controller).
     size: str | None = None
+    # "goodput 93.4% of 6m 52s; lost to redone 12.0 s, ...": the goodput summary's line. None:
+    # not known (an older controller, or a log from before the first attempt ended).
+    goodput: str | None = None
 
 
 def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
@@ -78,56 +84,35 @@ def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
                 view.evicted.append(m.group(2).split()[1])
             elif m.group(1) == "resized" and (size := _RESIZED.search(m.group(2))):
                 view.size = f"{size.group(1)} node(s), {size.group(2)} rank(s)"
+        elif _GOODPUT.match(line):
+            view.goodput = line
     view.events = view.events[-last_events:]
     return view
 
 
-# -- the Redis URL, without its secret ------------------------------------------------------------
-
-
-def mask(url: str) -> str:
-    """`url` with its password (user-info or ?password=) replaced by ***, safe to show and store."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        user, host = netloc.rsplit("@", 1)
-        netloc = f"{user.split(':', 1)[0]}:{MASK}@{host}"
-    query = urlencode([(k, MASK if k == "password" else v) for k, v in parse_qsl(parts.query)],
-                      safe="*/")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def unmask(url: str, password: str) -> str:
-    """A masked URL with its password put back."""
-    return url.replace(f":{MASK}@", f":{quote(password, safe='')}@", 1).replace(
-        f"password={MASK}", f"password={quote(password, safe='')}")
-
-
-def scrub(text: str, url: str) -> str:
-    """`text` (an error message) with any password of `url` masked."""
-    parts = urlsplit(url)
-    secrets = [parts.password] + [v for k, v in parse_qsl(parts.query) if k == "password"]
-    for secret in filter(None, secrets):
-        text = text.replace(secret, MASK)
-    return text
+# -- the Redis URL, and where its secret may go ------------------------------------------------
 
 
 def record_url(recorded: str | None, override: str | None,
                env: Mapping[str, str]) -> tuple[str | None, str]:
-    """(the URL to read the job record from, or None and why not)."""
+    """(the URL to read the job record from, or None and why not). `recorded` is the job's
+    metadata (its submitter's word), `override` the operator's --redis-url or $LONGRUN_REDIS_URL."""
     if override:
-        return override, ""
+        try:
+            return resolve(override, env), ""
+        except RedisPasswordError as exc:
+            return None, f"--redis-url / {URL_ENV}: {exc}"
     if recorded is None:
         return None, "the job was submitted without a record of its Redis"
     if not recorded:
         return None, ("the job's Redis is embedded in its controller on the cluster; name one in "
                       "cluster.redis_url for status to read the job record")
-    if MASK not in recorded:
-        return recorded, ""
-    password = env.get(PASSWORD_ENV)
-    if not password:
-        return None, f"the job's Redis {recorded} needs its password: set {PASSWORD_ENV} or pass --redis-url"
-    return unmask(recorded, password), ""
+    if password_of(recorded) is not None:
+        # Never put the operator's password into a URL the job's metadata names.
+        return None, (f"the job's Redis {redact(recorded)} needs its password, which status sends only "
+                      f"to the Redis you configure: set {URL_ENV} (e.g. redis://:{REFERENCE}@HOST:6379/0 "
+                      f"with the password in ${PASSWORD_ENV}) or pass --redis-url")
+    return recorded, ""
 
 
 # -- the record ----------------------------------------------------------------------------------
@@ -136,12 +121,13 @@ def record_url(recorded: str | None, override: str | None,
 def read_record(url: str, job: str, *, started_ms: int | None, ended_ms: int | None,
                 last_events: int = LAST_EVENTS) -> tuple[ControllerView | None, str]:
     """(the view from the job record of this submission, or None and why not)."""
-    shown = mask(url)
+    shown = redact(url)
     client = quick_client(url)
     try:
         status = job_status(client, job, events=last_events)
+        goodput = read_summary(client, job)
     except (redis.RedisError, OSError) as exc:
-        return None, f"cannot read the job record from {shown}: {scrub(str(exc), url)}"
+        return None, redact(f"cannot read the job record from {shown}: {exc}", password_of(url))
     finally:
         client.close()
     if status["state"] is None:
@@ -152,7 +138,9 @@ def read_record(url: str, job: str, *, started_ms: int | None, ended_ms: int | N
     if ended_ms and updated > ended_ms / 1000 + CLOCK_SLACK_S:
         return None, (f"the record of job {job!r} in {shown} was written after this submission "
                       "ended, by a later run of the same job")
-    return view_of_record(status, f"the job record in Redis at {shown}"), ""
+    view = view_of_record(status, f"the job record in Redis at {shown}")
+    view.goodput = goodput.describe() if goodput is not None else None
+    return view, ""
 
 
 def view_of_record(status: dict[str, Any], source: str) -> ControllerView:

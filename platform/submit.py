@@ -7,6 +7,11 @@ the job's working directory and submits the controller as the job's entrypoint: 
 which checks the cluster's python has what longrun needs, then `longrun run` against the
 cluster it runs on. Ray keeps the job running whether or not this client stays.
 
+Nothing submitted carries the Redis password: anyone who reaches the Jobs API can read the
+metadata, the runtime environment and the working directory. The shipped config holds the
+reference ${LONGRUN_REDIS_PASSWORD} (redis_password.py) and the cluster's nodes supply the
+password from their own environment; the metadata holds the URL with its password masked.
+
 `status` reports Ray's view of the job (its status) next to the controller's: the job record
 in Redis when this machine can read it, the controller's log otherwise (job_view.py).
 """
@@ -25,6 +30,8 @@ from typing import Any
 
 from longrun import job_view, shipping
 from longrun.config import JobConfig
+from longrun.redact import redact
+from longrun.redis_password import password_of
 
 METADATA_KEY = "longrun.job"
 REDIS_KEY = "longrun.redis"  # the job's Redis URL, password masked ("" when embedded)
@@ -49,7 +56,7 @@ def client(address: str):
     try:
         return JobSubmissionClient(address)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {exc}") from exc
+        raise SubmitError(redact(f"cannot reach the Ray Jobs API at {address}: {exc}")) from exc
 
 
 def job_env(cfg: JobConfig) -> dict[str, str]:
@@ -72,7 +79,7 @@ def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submit
     with tempfile.TemporaryDirectory(prefix="longrun-submit-") as tmp:
         working_dir, modules = Path(tmp, "job"), Path(tmp, "modules")
         working_dir.mkdir()
-        (working_dir / "config.yaml").write_text(cfg.to_yaml())
+        (working_dir / "config.yaml").write_text(cfg.to_yaml())  # the password as a reference
         shipment = shipping.stage(modules)
         shipping.write_manifest(shipment, working_dir)
         redis_url = cfg.cluster.redis_url
@@ -82,11 +89,11 @@ def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submit
                 runtime_env={"working_dir": str(working_dir), "py_modules": [shipment.path],
                              "env_vars": job_env(cfg)},
                 metadata={METADATA_KEY: cfg.job.name,
-                          REDIS_KEY: job_view.mask(redis_url) if redis_url else "",
+                          REDIS_KEY: redact(redis_url) if redis_url else "",
                           VERSION_KEY: f"{shipment.version} (source {shipment.digest[:12]})"},
             )
         except RuntimeError as exc:
-            raise SubmitError(f"the cluster at {address} refused the job: {exc}") from exc
+            raise SubmitError(redact(f"the cluster at {address} refused the job: {exc}")) from exc
     return Submitted(submission_id, shipment)
 
 
@@ -151,8 +158,8 @@ def request_force_stop(redis_url: str, job: str) -> None:
     try:
         redis.set(keys.job_stop_key(job), "force", ex=24 * 3600)
     except Exception as exc:
-        raise SubmitError(f"could not reach the job's Redis to force the stop: "
-                          f"{job_view.scrub(str(exc), redis_url)}") from exc
+        raise SubmitError(redact(f"could not reach the job's Redis to force the stop: {exc}",
+                                 password_of(redis_url))) from None
     finally:
         redis.close()
 

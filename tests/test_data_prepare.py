@@ -22,6 +22,7 @@ from longrun.data.errors import DataError
 from longrun.data.prepare import prepare
 from longrun.data.shards import FORMAT, ShardWriter, TokenShards, read_manifest, token_dtype, write_manifest
 from longrun.data.tokenizers import load_tokenizer, train_bpe
+from longrun.data.verification import MARK
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CODE = sorted((STDLIB / "json").glob("*.py"))
@@ -57,7 +58,8 @@ def inputs(tmp_path_factory) -> tuple[list[str], list[str]]:
 
 
 def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    """The shards and the manifest (the verification mark records file times, which differ)."""
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != MARK}
 
 
 def test_shards_hold_exactly_what_the_tokenizer_gives(tok_dir, inputs, tmp_path):
@@ -184,14 +186,14 @@ def test_corrupt_and_truncated_shards_are_named_with_their_expected_sha256(tok_d
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
     path.write_bytes(bytes(data))
-    TokenShards(str(out), verify=False)  # sizes are right: only the checksum can tell
+    TokenShards(str(out), verify="sizes")  # sizes are right: only the checksum can tell
     code, _, err = cli("data", "inspect", out, "--verify")
     assert code == 2 and "Traceback" not in err
     assert f"shard {path} is corrupt" in err and f"expected sha256 {entry['bin_sha256']}" in err
     path.write_bytes(bytes(data[:-3]))
     expected = f"{path} is truncated or corrupt.*expected sha256 {entry['bin_sha256']}"
     with pytest.raises(DataError, match=expected):
-        TokenShards(str(out), verify=False)
+        TokenShards(str(out), verify="sizes")
 
 
 def test_resume_refuses_another_tokenizer_other_inputs_or_options(tok_dir, inputs, tmp_path, cli):

@@ -239,7 +239,101 @@ def test_kuberay_job_config_is_valid_with_the_entrypoint_overrides(repo_root, tm
     argv = shlex.split(job["spec"]["entrypoint"])
     path = tmp_path / "job.yaml"
     path.write_text(configmap["data"][Path(argv[2]).name])
-    overrides = [argv[i + 1].replace("$LONGRUN_REDIS_URL", "redis://:pw@redis:6379/0")
-                 for i, a in enumerate(argv) if a == "--set"]
+    overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
     cfg = load_config(path, overrides)
     assert cfg.cluster.address == "auto" and cfg.checkpoint_dir.startswith("/checkpoints/")
+    # The Redis password comes from the pods' environment (the Secret), not the ConfigMap.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LONGRUN_REDIS_PASSWORD", "from-the-secret-1")
+        assert load_config(path, overrides).cluster.redis_url.startswith("redis://:from-the-secret-1@")
+
+
+# -- secrets -----------------------------------------------------------------------------------
+
+
+def test_compose_redis_runs_as_its_own_user_with_the_password_off_command_lines(repo_root):
+    redis_service = _compose(repo_root)["services"]["redis"]
+    # The image's entrypoint drops root only for a command that starts with redis-server.
+    assert redis_service.get("user") == "redis" or redis_service["command"][0] == "redis-server"
+    assert "--requirepass" not in " ".join(redis_service["command"])
+    health = " ".join(redis_service["healthcheck"]["test"])
+    assert "REDISCLI_AUTH=" in health and " -a " not in health
+
+
+def _run_compose_redis_command(repo_root, tmp_path, password: str):
+    """The compose Redis service's command, run by sh with a stand-in redis-server that records
+    its arguments and the config it reads on stdin."""
+    command = _compose(repo_root)["services"]["redis"]["command"]
+    assert command[:2] == ["sh", "-c"]
+    script = command[2].replace("$$", "$")  # compose's escape for a literal $
+    bin_dir, seen = tmp_path / "bin", tmp_path / "seen"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "redis-server"
+    stub.write_text(f'#!/bin/sh\necho "$@" > {seen}.args\ncat > {seen}.conf\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": password}
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=30), seen
+
+
+def test_compose_redis_refuses_the_placeholder_and_reads_the_password_on_stdin(repo_root, tmp_path):
+    from longrun.redis_password import RedisPasswordError, read_password
+
+    example = dict(line.split("=", 1) for line in (repo_root / "deploy/.env.example").read_text().splitlines()
+                   if "=" in line and not line.startswith("#"))
+    placeholder = example["REDIS_PASSWORD"]
+    out, seen = _run_compose_redis_command(repo_root, tmp_path, placeholder)
+    assert out.returncode != 0 and "placeholder" in out.stderr, out
+    assert not Path(f"{seen}.args").exists()  # redis-server never started
+    with pytest.raises(RedisPasswordError, match="placeholder"):  # longrun refuses it too
+        read_password({"LONGRUN_REDIS_PASSWORD": placeholder})
+
+    out, seen = _run_compose_redis_command(repo_root, tmp_path, "a-real-one-7f3c9")
+    assert out.returncode == 0, out
+    assert "requirepass a-real-one-7f3c9" in Path(f"{seen}.conf").read_text()
+    args = Path(f"{seen}.args").read_text()
+    assert "a-real-one-7f3c9" not in args and "--appendfsync always" in args
+
+
+def test_the_local_secrets_file_is_git_ignored(repo_root):
+    if shutil.which("git") is None or not (repo_root / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=repo_root, timeout=30)
+    assert ignored.returncode == 0, "deploy/.env (the compose secrets) must be git-ignored"
+    kept = subprocess.run(["git", "check-ignore", "-q", "deploy/.env.example"], cwd=repo_root, timeout=30)
+    assert kept.returncode == 1
+
+
+def test_kuberay_keeps_the_password_in_the_secret_and_off_command_lines(repo_root):
+    cluster = yaml.safe_load((repo_root / "deploy/kuberay/raycluster.yaml").read_text())
+    job, configmap = yaml.safe_load_all((repo_root / "deploy/kuberay/rayjob.yaml").read_text())
+    assert "REDIS" not in job["spec"]["entrypoint"] and "redis" not in job["spec"]["entrypoint"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    for container in (head, worker):
+        env = {e["name"]: e for e in container["env"]}
+        assert env["LONGRUN_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "longrun-redis"
+        assert all("value" not in e or "redis://" not in e["value"] for e in container["env"])
+    config = yaml.safe_load(configmap["data"]["job.yaml"])
+    assert "${LONGRUN_REDIS_PASSWORD}" in config["cluster"]["redis_url"]
+
+
+def test_kuberay_network_policy_restricts_who_reaches_the_jobs_api(repo_root):
+    policies = list(yaml.safe_load_all((repo_root / "deploy/kuberay/networkpolicy.yaml").read_text()))
+    cluster = yaml.safe_load((repo_root / "deploy/kuberay/raycluster.yaml").read_text())
+    job, _ = yaml.safe_load_all((repo_root / "deploy/kuberay/rayjob.yaml").read_text())
+    name = cluster["metadata"]["name"]
+    head = next(p for p in policies if p["spec"]["podSelector"]["matchLabels"]
+                == {"ray.io/cluster": name, "ray.io/node-type": "head"})
+    assert all(p["kind"] == "NetworkPolicy" and p["spec"]["policyTypes"] == ["Ingress"] for p in policies)
+    assert any(p["spec"]["podSelector"]["matchLabels"].get("ray.io/node-type") == "worker" for p in policies)
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits every pod"
+    jobs_api = [rule for rule in head["spec"]["ingress"]
+                if any(port["port"] == 8265 for port in rule.get("ports", []))]
+    allowed = [peer["podSelector"]["matchLabels"] for rule in jobs_api for peer in rule["from"]]
+    # The RayJob's submitter pod carries a label the policy lets through to the Jobs API.
+    submitter_labels = job["spec"]["submitterPodTemplate"]["metadata"]["labels"]
+    assert any(labels.items() <= submitter_labels.items() for labels in allowed)
+    docs = (repo_root / "docs/operations.md").read_text()
+    assert "networkpolicy.yaml" in docs and "NetworkPolicy" in docs

@@ -8,6 +8,7 @@ Every job here runs only because `longrun submit` ships longrun with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -42,13 +43,16 @@ def cluster_python(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def head(cluster_python):
+def head(cluster_python, redis_server):
     from longrun.services import EmbeddedRay
 
     # EmbeddedRay starts `ray start` with sys.executable and puts its folder first on the head's
     # PATH, so the jobs' `python3` is that interpreter too: here, the one without longrun.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "executable", str(cluster_python))
+        # The cluster's own Redis password, as an operator sets it on every node (KubeRay: a
+        # Secret): a submitted job's config only refers to it.
+        patch.setenv("LONGRUN_REDIS_PASSWORD", redis_server.password)
         ray_head = EmbeddedRay(num_cpus=2, include_dashboard=True).start()
     try:
         yield ray_head
@@ -118,21 +122,31 @@ def test_status_reads_the_job_record_from_the_configured_redis(head, repo_root, 
     shown = f"redis://:***@127.0.0.1:{redis_server.port}/0"
     assert info.metadata["longrun.redis"] == shown
     assert password not in json.dumps([info.metadata, info.runtime_env, info.entrypoint])
+    # Nor in what the cluster unpacked (the shipped config holds a reference) or logged.
+    leaked = []
+    for path in head.temp_dir.rglob("*"):
+        with contextlib.suppress(OSError):  # Ray's sockets, files that come and go
+            if path.is_file() and password.encode() in path.read_bytes():
+                leaked.append(str(path))
+    assert leaked == [], leaked
 
+    # status sends the password only to the Redis the operator names, not the metadata's host.
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGRUN_REDIS")}
-    no_password = longrun("status", job_id, "--address", address, cwd=tmp_path, env=env)
-    assert no_password.returncode == 0, no_password.stderr
-    assert (f"source: the controller's log (the job's Redis {shown} needs its password: "
-            "set LONGRUN_REDIS_PASSWORD") in no_password.stdout, no_password.stdout
-    assert "controller: SUCCEEDED" in no_password.stdout
-
-    record = longrun("status", job_id, "--address", address, cwd=tmp_path,
+    no_url = longrun("status", job_id, "--address", address, cwd=tmp_path,
                      env={**env, "LONGRUN_REDIS_PASSWORD": password})
+    assert no_url.returncode == 0, no_url.stderr
+    assert (f"source: the controller's log (the job's Redis {shown} needs its password, which status "
+            "sends only to the Redis you configure") in no_url.stdout, no_url.stdout
+    assert "controller: SUCCEEDED" in no_url.stdout
+
+    reference = f"redis://:${{LONGRUN_REDIS_PASSWORD}}@127.0.0.1:{redis_server.port}/0"
+    record = longrun("status", job_id, "--address", address, cwd=tmp_path,
+                     env={**env, "LONGRUN_REDIS_PASSWORD": password, "LONGRUN_REDIS_URL": reference})
     assert record.returncode == 0, record.stderr
     assert f"source: the job record in Redis at {shown}" in record.stdout, record.stdout
     assert "controller: SUCCEEDED (finished 4 steps" in record.stdout and "step 4/4" in record.stdout
     assert re.search(r"\d\d:\d\d:\d\d state SUCCEEDED: finished 4 steps", record.stdout), record.stdout
-    assert password not in no_password.stdout + no_password.stderr + record.stdout + record.stderr
+    assert password not in no_url.stdout + no_url.stderr + record.stdout + record.stderr
 
 
 def test_submit_to_an_unreachable_cluster_is_a_clear_error(repo_root, tmp_path):

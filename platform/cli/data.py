@@ -3,11 +3,15 @@
     longrun tokenizer train corpus/ --vocab-size 8192 --out runs/tok
     longrun data prepare corpus/ web.jsonl books.parquet --tokenizer runs/tok --out data/mix1
     longrun data inspect data/mix1 --verify
+
+Bad text in a record (invalid UTF-8, a lone surrogate escape) is replaced with U+FFFD and
+counted in the summary, naming the first file and line; --strict refuses it instead.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
@@ -48,9 +52,11 @@ def add_parsers(sub) -> None:
     inspect = data_sub.add_parser(
         "inspect", formatter_class=RichHelpFormatter, help="what a prepared directory holds",
         description="Show a prepared directory's tokenizer, documents, tokens and shards; --verify "
-        "re-hashes every shard against the manifest (sizes are always checked).")
+        "re-hashes every shard against the manifest (sizes are always checked) and records the "
+        "directory as verified, so that training jobs opening it hash nothing.")
     inspect.add_argument("dir", metavar="DIR")
-    inspect.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    inspect.add_argument("--verify", action="store_true",
+                         help="check every shard's sha256 and record the directory as verified")
     inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
     inspect.set_defaults(func=cmd_data_inspect)
 
@@ -78,6 +84,9 @@ def _reading_args(p: argparse.ArgumentParser) -> None:
                    help="the jsonl field / parquet column with the text (default: text)")
     p.add_argument("--glob", dest="patterns", action="append", metavar="PATTERN",
                    help="file names to read inside directories, e.g. '*.py' (repeatable; default: all)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse invalid UTF-8 and lone surrogate escapes, naming the file and line "
+                   "(default: replace each with U+FFFD and count them)")
 
 
 def cmd_data_prepare(args) -> int:
@@ -86,7 +95,8 @@ def cmd_data_prepare(args) -> int:
     run = run_prepare(args.inputs, args.tokenizer, args.out, workers=args.workers,
                       shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
                       shard_documents=args.shard_documents, progress=args.progress,
-                      text_column=args.text_column, patterns=args.patterns or ("*",))
+                      text_column=args.text_column, patterns=args.patterns or ("*",),
+                      strict=args.strict)
     m = run.manifest
     for name in run.redone_shards:
         console.print(f"[yellow]redone[/]: {name} failed its checksum", highlight=False)
@@ -97,7 +107,22 @@ def cmd_data_prepare(args) -> int:
               f"tokens in {len(m['shards'])} shard(s) ({m['dtype']}); this run: {done}"
               + (f"; resumed after {run.resumed_shards} finished shard(s)" if run.resumed_shards else "")
               + _skipped(m), highlight=False)
+    _warn_replaced(_replaced(m))
     return 0
+
+
+def _replaced(manifest: dict) -> str:
+    from longrun.data.sources import SourceStats
+
+    r = manifest.get("replaced") or {}
+    return SourceStats(replaced_characters=r.get("characters", 0), replaced_documents=r.get("documents", 0),
+                       first_replaced=r.get("first")).summary()
+
+
+def _warn_replaced(summary: str) -> None:
+    if summary:
+        console.print(f"[yellow]warning[/]: {escape(summary)}; --strict refuses such input instead",
+                      highlight=False)
 
 
 def _skipped(manifest: dict) -> str:
@@ -109,18 +134,27 @@ def _skipped(manifest: dict) -> str:
 
 def cmd_data_inspect(args) -> int:
     from longrun.data.shards import TokenShards
+    from longrun.data.verification import MARK, write_mark
 
-    shards = TokenShards(args.dir, verify=args.verify)
+    shards = TokenShards(args.dir, verify="all" if args.verify else "sizes")
+    if args.verify:
+        try:
+            write_mark(args.dir, shards.manifest_sha256, shards.stamps, by="data inspect --verify")
+        except OSError as exc:  # a read-only copy: verified all the same, jobs will hash as they read
+            console.print(f"[yellow]warning[/]: could not record {escape(args.dir)} as verified "
+                          f"({escape(str(exc))}); training jobs will hash each shard when they first read it",
+                          highlight=False)
     m = shards.manifest
     if args.json:
         print_json(m)
         return 0
     t = m["tokenizer"]
     lengths = shards.lengths
+    replaced = _replaced(m)
     out.print(f"[bold]{escape(args.dir)}[/]: {m['documents']:,} documents, {m['tokens']:,} tokens "
               f"({m['dtype']}); tokenizer {t['kind']}, {t['vocab_size']:,} ids, sha256 {t['sha256']}; "
               f"document length mean {lengths.mean():,.0f}, max {lengths.max():,}"
-              + _skipped(m), highlight=False)
+              + _skipped(m) + (f"; {escape(replaced)}" if replaced else ""), highlight=False)
     table = Table()
     for col in ("shard", "documents", "tokens", "bytes", "bin sha256"):
         table.add_column(col, justify="right" if col in ("documents", "tokens", "bytes") else "left")
@@ -130,15 +164,20 @@ def cmd_data_inspect(args) -> int:
                       e["bin_sha256"][:16])
     out.print(table)
     if args.verify:
-        out.print(f"[green]all {len(m['shards'])} shards match their sha256[/]")
+        out.print(f"[green]all {len(m['shards'])} shards match their sha256[/]; recorded in "
+                  f"{escape(str(Path(args.dir) / MARK))}")
     return 0
 
 
 def cmd_tokenizer_train(args) -> int:
+    from longrun.data.sources import SourceStats
     from longrun.data.tokenizers import train_bpe
 
+    stats = SourceStats()
     tok = train_bpe(args.inputs, args.vocab_size, args.out, progress=args.progress,
-                    patterns=args.patterns or ("*",), text_column=args.text_column, overwrite=args.force)
+                    patterns=args.patterns or ("*",), text_column=args.text_column, overwrite=args.force,
+                    strict=args.strict, stats=stats)
+    _warn_replaced(stats.summary())
     out.print(f"[green]trained[/] a byte-level BPE of {tok.vocab_size:,} ids -> {escape(args.out)} "
               f"(sha256 {tok.sha256}); use it with --tokenizer {escape(args.out)} or data.tokenizer",
               highlight=False)

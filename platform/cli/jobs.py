@@ -42,8 +42,10 @@ def add_parsers(sub) -> None:
                                      help="the job's Redis, for --force (as for status)")
     sub.choices["status"].add_argument(
         "--redis-url", default=None, metavar="URL",
-        help="read the job record from this Redis (default: $LONGRUN_REDIS_URL, else the one the job's "
-        "config named, its password from $LONGRUN_REDIS_PASSWORD); without one, the controller's log")
+        help="read the job record from this Redis (default: $LONGRUN_REDIS_URL; its password may be "
+        "written ${LONGRUN_REDIS_PASSWORD}, taken from that variable). Without it, the Redis the job's "
+        "config named, only if that needs no password: a password goes only to the Redis you name. "
+        "Failing both, the controller's log")
     jobs = sub.add_parser("list", formatter_class=RichHelpFormatter, help="longrun jobs on a Ray cluster")
     jobs.add_argument("--address", default=None, help=ADDRESS_HELP)
     jobs.set_defaults(func=cmd_list)
@@ -58,7 +60,9 @@ def cmd_submit(args) -> int:
     from longrun.config.runnable import check_runnable
 
     cfg = load(args)  # a bad config is refused here, before anything reaches the cluster
-    check_runnable(cfg)  # ... and one this longrun cannot run (a layout that does not fit, ...)
+    # ... and one this longrun cannot run (a layout that does not fit, ...); the cluster, not
+    # this machine, supplies a Redis password the config only refers to.
+    check_runnable(cfg, runs_here=False)
     cluster = address(args)
     with console.status(f"shipping longrun and submitting job {cfg.job.name} to {cluster}"):
         job = submit.submit(cfg, cluster, python=args.python)
@@ -87,6 +91,8 @@ def cmd_status(args) -> int:
               + (f", loss {view.loss:.4f}" if view.loss is not None else ""), highlight=False)
     if view.size:
         out.print(f"size: {view.size}", highlight=False)
+    if view.goodput:
+        out.print(escape(view.goodput), highlight=False)
     out.print(f"evicted nodes: {', '.join(view.evicted) or 'none'}", highlight=False)
     for line in view.events:
         out.print(f"  {escape(line)}", highlight=False)

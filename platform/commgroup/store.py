@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from longrun import keys
 from longrun.commgroup.resp import PerThreadResp, RespError
 from longrun.keys import delete_attempt_keys as delete_attempt_keys  # the cleanup lives in keys.py
 from longrun.keys import delete_matching, glob_escape
+from longrun.redact import redact  # the one redaction: user-info and ?password= alike
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 # A blocked read is re-issued at least this often, so the socket timeout can stay finite and
@@ -83,16 +83,6 @@ class StoreConnectionError(dist.DistStoreError):
     pass
 
 
-def redact(url: str) -> str:
-    """The URL with its password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
 def _as_bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
@@ -119,12 +109,13 @@ class RedisStore(dist.Store):
         try:
             self._client.ping()
         except redis.AuthenticationError as exc:
-            raise StoreConnectionError(
-                f"Redis at {redact(url)} refused the credentials: {exc}. "
-                "Check the password in the URL (redis://:PASSWORD@host:port).") from None
+            raise StoreConnectionError(redact(
+                f"Redis at {url} refused the credentials: {exc}. Check the password "
+                "(cluster.redis_url, or $LONGRUN_REDIS_PASSWORD it refers to).")) from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StoreConnectionError(f"cannot reach Redis at {redact(url)} within {connect_timeout_s:g} s: "
-                                       f"{exc}. Is the server running and the address right?") from None
+            raise StoreConnectionError(redact(
+                f"cannot reach Redis at {url} within {connect_timeout_s:g} s: {exc}. "
+                "Is the server running and the address right?")) from None
 
     @classmethod
     def for_attempt(cls, url: str, job: str, attempt: int,

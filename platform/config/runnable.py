@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from longrun.config.memory import plan_problem
+from longrun.redis_password import RedisPasswordError, is_reference, resolve
 
 if TYPE_CHECKING:
     from longrun.config.job import JobConfig
@@ -21,9 +22,16 @@ class UnsupportedJob(ValueError):
     """A valid config this version cannot run (each line: dotted path, then the reason)."""
 
 
-def runnable_problems(cfg: JobConfig) -> list[tuple[str, str]]:
-    """(dotted path, reason) for each thing that keeps this valid config from running."""
+def runnable_problems(cfg: JobConfig, *, runs_here: bool = True) -> list[tuple[str, str]]:
+    """(dotted path, reason) for each thing that keeps this valid config from running.
+    `runs_here`: the job runs in this process's environment (`run`, `validate`); a submitted job
+    runs in the cluster's, which supplies a password the URL only refers to."""
     problems = []
+    if runs_here and is_reference(cfg.cluster.redis_url):
+        try:
+            resolve(cfg.cluster.redis_url)
+        except RedisPasswordError as exc:
+            problems.append(("cluster.redis_url", str(exc)))
     par = cfg.parallelism
     if par.pp > 1:
         problems.append(("parallelism.pp", f"the trainer has no pipeline parallelism yet (pp {par.pp}); "
@@ -43,8 +51,8 @@ def runnable_problems(cfg: JobConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def check_runnable(cfg: JobConfig) -> None:
+def check_runnable(cfg: JobConfig, *, runs_here: bool = True) -> None:
     """Raise UnsupportedJob listing every problem `runnable_problems` finds."""
-    problems = runnable_problems(cfg)
+    problems = runnable_problems(cfg, runs_here=runs_here)
     if problems:
         raise UnsupportedJob("\n".join(f"{path}: {why}" for path, why in problems))

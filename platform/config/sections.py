@@ -13,9 +13,17 @@ import os
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from longrun.parallel_dims import CPImpl
+from longrun.redis_password import (
+    REFERENCE,
+    RedisPasswordError,
+    as_reference,
+    password_of,
+    refuse_placeholder,
+    resolve,
+)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -52,7 +60,10 @@ class ClusterSection(Section):
         None, description="Ray cluster address (ray://host:10001 or auto); null starts a local Ray."
     )
     redis_url: str | None = Field(
-        None, description="redis:// or rediss:// URL for rendezvous and job state; null embeds one."
+        None, repr=False, description="redis:// or rediss:// URL for rendezvous and job state; null "
+        "embeds one. Write its password as ${LONGRUN_REDIS_PASSWORD} to take it from that variable "
+        "(or from the 0600 file $LONGRUN_REDIS_PASSWORD_FILE names); files longrun writes always "
+        "hold that reference, never the password."
     )
     nodes: PositiveInt = Field(1, description="Number of nodes the job spans.")
     workers_per_node: PositiveInt = Field(1, description="Workers per node: one per accelerator.")
@@ -63,6 +74,22 @@ class ClusterSection(Section):
     peak_tflops: PositiveFloat | None = Field(
         None, description="One accelerator's dense peak TFLOP/s in the training dtype, for MFU; "
         "null: looked up for known GPUs (H100, H200, A100), none on CPU (MFU not reported).")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _password_from_the_environment(cls, v: str | None) -> str | None:
+        # Lenient: a worker's copy of the config may lack the variable (the controller hands
+        # workers the URL itself); `runnable_problems` refuses an unresolved one where it runs.
+        try:
+            if (written := password_of(v)) is not None and written != REFERENCE:
+                refuse_placeholder(written, "cluster.redis_url")
+            return resolve(v, strict=False)
+        except RedisPasswordError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_serializer("redis_url")
+    def _password_as_reference(self, v: str | None) -> str | None:
+        return as_reference(v)  # every dump (written config, shipped config, fingerprint)
 
     @property
     def workers(self) -> int:
@@ -286,7 +313,7 @@ class CheckpointSection(Section):
         "and verified its part of a checkpoint; then the ranks that did not answer are named.")
 
 
-FaultKind = Literal["kill", "hang", "raise", "nan", "slow", "hold"]
+FaultKind = Literal["kill", "hang", "raise", "nan", "slow", "hold", "fail_save"]
 
 
 class FaultSpec(Section):
@@ -345,7 +372,9 @@ class RecoverySection(Section):
     max_restarts: NonNegativeInt = 10
     max_restarts_in_window: PositiveInt = Field(5, description="At most this many restarts ...")
     restart_window_s: PositiveFloat = Field(3600.0, description="... within this many seconds.")
-    restart_backoff_s: NonNegativeFloat = 1.0
+    restart_backoff_s: NonNegativeFloat = Field(
+        1.0, description="Wait before a restart; doubled per restart in a row that got no further "
+        "than the fault before it (at most 60 s), back to this once the job trains past it.")
     evict_on_failed_diagnostics: bool = True
     evict_stragglers: bool = Field(False, description="Evict a straggler's node (else report it).")
     skip_after_spikes: PositiveInt = Field(

@@ -12,7 +12,14 @@ Resume: the manifest is rewritten after every finished shard and records the tok
 inputs fingerprint (paths, sizes, modification times) and the options. Rerunning the same
 command verifies the shards it lists, skips their documents and goes on; a half-written shard
 (never listed) is written again. A directory made with another tokenizer, other inputs or
-other options is refused rather than mixed.
+other options is refused rather than mixed. One run at a time writes a directory (`out_lock.py`),
+and nothing under it is ever read as input.
+
+Bad text in a record (invalid UTF-8, a lone surrogate escape) is replaced with U+FFFD and
+counted (manifest "replaced", and the summary names the first file and line); strict=True
+(`--strict`) refuses it instead. A finished directory gets its verification mark
+(`verification.py`): every shard was hashed as it was written or re-hashed on resume, so a
+training job opening it hashes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from longrun.data.encoding import EncoderPool
 from longrun.data.errors import DataError
+from longrun.data.out_lock import LOCK_FILE, locked_out_dir
 from longrun.data.shards import (
     FORMAT,
     MANIFEST,
@@ -36,11 +44,13 @@ from longrun.data.shards import (
     check_shard,
     dtype_name,
     read_manifest,
+    read_manifest_and_digest,
     token_dtype,
     write_manifest,
 )
 from longrun.data.sources import Document, SourceStats, inputs_fingerprint, iter_documents, resolve_inputs
 from longrun.data.tokenizers import load_tokenizer, tokenizer_identity
+from longrun.data.verification import shard_stamps, write_mark
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
 BATCH_CHARS = 1 << 18  # text per batch sent to a worker: large enough to amortise the pipe
@@ -56,32 +66,36 @@ class PrepareRun:
     documents: int = 0  # written by this run
     tokens: int = 0
     seconds: float = 0.0
+    stats: SourceStats = field(default_factory=SourceStats)  # what reading skipped or replaced
 
 
 def prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str, *, workers: int = 2,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, shard_documents: int | None = None,
             progress: bool = True, text_column: str = "text",
-            patterns: Sequence[str] = ("*",)) -> dict[str, Any]:
+            patterns: Sequence[str] = ("*",), strict: bool = False) -> dict[str, Any]:
     """Tokenise `inputs` into shards under `out_dir` (resuming what is there); the manifest."""
     return run_prepare(inputs, tokenizer_spec, out_dir, workers=workers, shard_tokens=shard_tokens,
                        shard_documents=shard_documents, progress=progress, text_column=text_column,
-                       patterns=patterns).manifest
+                       patterns=patterns, strict=strict).manifest
 
 
 def run_prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str, *, workers: int = 2,
                 shard_tokens: int = DEFAULT_SHARD_TOKENS, shard_documents: int | None = None,
                 progress: bool = True, text_column: str = "text",
-                patterns: Sequence[str] = ("*",)) -> PrepareRun:
+                patterns: Sequence[str] = ("*",), strict: bool = False) -> PrepareRun:
     if workers < 0:
         raise DataError(f"--workers {workers}: give 0 (encode in this process) or more")
     if shard_tokens < 1 or (shard_documents is not None and shard_documents < 1):
         raise DataError(f"shards must hold at least one token and one document (--shard-tokens "
                         f"{shard_tokens}, --shard-documents {shard_documents})")
     start = time.monotonic()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a directory")
     tok = load_tokenizer(tokenizer_spec)
     files = resolve_inputs(inputs, patterns=patterns, exclude=out_dir)
     stats = SourceStats()
-    docs = iter_documents(files, text_column=text_column, stats=stats)
+    docs = iter_documents(files, text_column=text_column, stats=stats, strict=strict)
     first = next(docs)  # an empty input fails here, before anything is written
     docs = itertools.chain([first], docs)
 
@@ -92,16 +106,27 @@ def run_prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str,
                         "fingerprint": inputs_fingerprint(files)},
              "options": {"text_column": text_column, "shard_tokens": shard_tokens,
                          "shard_documents": shard_documents, "patterns": list(patterns)}}
-    out = Path(out_dir)
-    manifest, redone = _start_or_resume(out, fresh, getattr(tok, "path", "byte"))
-    run = PrepareRun(manifest, resumed_shards=len(manifest["shards"]), redone_shards=redone)
-    if manifest["complete"]:
-        run.seconds = time.monotonic() - start
-        return run
+    with locked_out_dir(out):
+        manifest, redone = _start_or_resume(out, fresh, getattr(tok, "path", "byte"))
+        run = PrepareRun(manifest, resumed_shards=len(manifest["shards"]), redone_shards=redone,
+                         stats=stats)
+        if not manifest["complete"]:
+            with EncoderPool(workers, fresh["tokenizer"]["kind"], getattr(tok, "json", None),
+                             dtype.str) as pool:
+                _encode(run, out, docs, pool, dtype, total_bytes=float(fresh["inputs"]["bytes"]),
+                        shard_documents=shard_documents, shard_tokens=shard_tokens, progress=progress)
+        # Every listed shard was hashed: as it was written, or verified on resume just now.
+        _, digest = read_manifest_and_digest(out)
+        write_mark(out, digest, shard_stamps(out, run.manifest), by="data prepare")
+    run.seconds = time.monotonic() - start
+    return run
 
-    total_bytes = float(fresh["inputs"]["bytes"])
-    with _progress(progress, total_bytes) as bar, \
-            EncoderPool(workers, fresh["tokenizer"]["kind"], getattr(tok, "json", None), dtype.str) as pool:
+
+def _encode(run: PrepareRun, out: Path, docs: Iterator[Document], pool: EncoderPool, dtype, *,
+            total_bytes: float, shard_documents: int | None, shard_tokens: int, progress: bool) -> None:
+    """Encode and write every document after those the manifest lists; complete the manifest."""
+    manifest, stats = run.manifest, run.stats
+    with _progress(progress, total_bytes) as bar:
         skipped_bytes = sum(d.nbytes for d in itertools.islice(docs, manifest["documents"]))
         if stats.documents < manifest["documents"]:
             raise DataError(f"{out} lists {manifest['documents']} documents but the inputs now hold "
@@ -142,9 +167,9 @@ def run_prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str,
             raise
     manifest["complete"] = True
     manifest["skipped"] = {"binary_files": stats.binary_files, "empty_documents": stats.empty_documents}
+    manifest["replaced"] = {"characters": stats.replaced_characters, "documents": stats.replaced_documents,
+                            "first": stats.first_replaced}
     write_manifest(out, manifest)
-    run.seconds = time.monotonic() - start
-    return run
 
 
 def _documents_that_fit(writer: ShardWriter, lengths, shard_documents: int | None, shard_tokens: int) -> int:
@@ -185,11 +210,9 @@ def _start_or_resume(out: Path, fresh: dict[str, Any],
     """The manifest to continue from: a new one for an empty or missing directory, the existing
     one (its listed shards verified) when it was made from the same tokenizer, inputs and
     options; DataError otherwise. Also the listed shards that failed verification."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file, not a directory")
     old = read_manifest(out) if out.is_dir() else None
     if old is None:
-        if out.is_dir() and any(out.iterdir()):
+        if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
             raise DataError(f"--out {out} is not empty and has no {MANIFEST}: it is not a prepared "
                             "token directory; give a new or empty directory")
         out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +253,7 @@ def _verified(out: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], list
             manifest["tokens"] = sum(e["tokens"] for e in manifest["shards"])
             manifest["complete"] = False
             manifest.pop("skipped", None)
+            manifest.pop("replaced", None)
             write_manifest(out, manifest)
             return manifest, redo
     return manifest, []

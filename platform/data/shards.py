@@ -9,9 +9,13 @@ A directory made by `longrun data prepare`:
                         uint16 when the vocabulary fits 65536 ids, else uint32
     shard-00000.idx     little-endian uint64 token offsets of the n documents into the .bin (n+1, 0 first)
 
+    verified.json       which shard files are known to match their sha256 (`verification.py`)
+
 The manifest is replaced atomically and lists only finished shards (written, fsynced, renamed
 from .tmp), so whatever a crash leaves behind, the manifest never names a partial file.
-`TokenShards` reads them through np.memmap: nothing is loaded until a document is read.
+`TokenShards` reads them through np.memmap: nothing is loaded until a document is read, and
+opening hashes nothing (only sizes are checked): a shard the verification mark does not
+vouch for is hashed the first time this process reads from it, before its tokens are returned.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from longrun.data.errors import DataError
+from longrun.data.verification import Stamps, manifest_sha256, read_mark, stamp
 
 FORMAT = "longrun-tokens/1"
 MANIFEST = "manifest.json"
@@ -62,32 +68,39 @@ def file_sha256(path: Path) -> str:
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     """The manifest of a prepared directory, None when it has none (yet)."""
+    return read_manifest_and_digest(directory)[0]
+
+
+def read_manifest_and_digest(directory: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
+    """The manifest and the sha256 of its bytes (what the verification mark is keyed by)."""
     path = Path(directory) / MANIFEST
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
-        return None
+        return None, None
     try:
-        manifest = json.loads(text)
+        manifest = json.loads(data)
     except ValueError as exc:
         raise DataError(f"{path} is not valid JSON ({exc}); it is not a prepared token directory") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise DataError(f"{path} is not a {FORMAT} manifest (format: {found!r})")
-    return manifest
+    return manifest, manifest_sha256(data)
 
 
-def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    """Replace manifest.json atomically: a reader sees the old one or the new one, whole."""
+def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> str:
+    """Replace manifest.json atomically: a reader sees the old one or the new one, whole.
+    Returns the sha256 of the bytes written."""
     directory = Path(directory)
     tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
+    data = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST)
     _fsync_dir(directory)
+    return manifest_sha256(data)
 
 
 class ShardWriter:
@@ -137,22 +150,39 @@ class ShardWriter:
         self._bin_tmp.unlink(missing_ok=True)
 
 
-def check_shard(directory: Path, entry: dict[str, Any], itemsize: int, *, verify: bool) -> str | None:
-    """What is wrong with one listed shard (a sentence naming it and its expected sha256), or None."""
+def _check_sizes(directory: Path, entry: dict[str, Any], itemsize: int) -> tuple[str | None, Stamps]:
+    """What is wrong with the sizes of one listed shard's files (or None), and their stamps."""
+    stamps: Stamps = {}
     for suffix, count, size, key in ((".bin", entry["tokens"], itemsize, "bin_sha256"),
                                      (".idx", entry["documents"] + 1, INDEX_DTYPE.itemsize, "idx_sha256")):
         path = directory / f"{entry['name']}{suffix}"
         expected = count * size
         try:
-            actual = path.stat().st_size
+            st = path.stat()
         except FileNotFoundError:
-            return f"shard {path} is missing (expected sha256 {entry[key]})"
-        if actual != expected:
-            return (f"shard {path} is truncated or corrupt: {actual} bytes, expected {expected} "
-                    f"(expected sha256 {entry[key]})")
-        if verify and (found := file_sha256(path)) != entry[key]:
+            return f"shard {path} is missing (expected sha256 {entry[key]})", stamps
+        if st.st_size != expected:
+            return (f"shard {path} is truncated or corrupt: {st.st_size} bytes, expected {expected} "
+                    f"(expected sha256 {entry[key]})"), stamps
+        stamps[path.name] = stamp(st)
+    return None, stamps
+
+
+def _check_hashes(directory: Path, entry: dict[str, Any]) -> str | None:
+    for suffix, key in ((".bin", "bin_sha256"), (".idx", "idx_sha256")):
+        path = directory / f"{entry['name']}{suffix}"
+        # Looked up at call time (not bound at import): tests inject a slow or failing read here.
+        if (found := file_sha256(path)) != entry[key]:
             return f"shard {path} is corrupt: sha256 {found}, expected sha256 {entry[key]}"
     return None
+
+
+def check_shard(directory: Path, entry: dict[str, Any], itemsize: int, *, verify: bool) -> str | None:
+    """What is wrong with one listed shard (a sentence naming it and its expected sha256), or None."""
+    problem, _ = _check_sizes(directory, entry, itemsize)
+    if problem is None and verify:
+        problem = _check_hashes(directory, entry)
+    return problem
 
 
 def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
@@ -161,16 +191,28 @@ def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
+VERIFY_MODES = ("lazy", "all", "sizes")
+_REPREPARE = "; rerun `longrun data prepare` into a new directory"
+
+
 class TokenShards:
     """The documents of a prepared directory, read through memory maps.
 
-    With verify=True every shard's sha256 is checked when opened (a read of every byte once);
-    sizes are always checked. DataError names the shard and its expected sha256."""
+    Sizes are always checked when opened. `verify` says when sha256s are:
+    - "lazy" (training): opening hashes nothing; a shard the verification mark does not vouch
+      for (no mark, a mark of another manifest, or its file changed since) is hashed the first
+      time it is read from, in the reading thread, before any of its tokens are returned. A
+      process hashes only the shards it reads, each at most once.
+    - "all" (`data inspect --verify`): every shard is hashed now.
+    - "sizes": never.
+    DataError names the shard file and its expected sha256."""
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True):
+    def __init__(self, path: str | os.PathLike, *, verify: str = "lazy"):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.path = str(path)
         directory = Path(path)
-        manifest = read_manifest(directory)
+        manifest, digest = read_manifest_and_digest(directory)
         if manifest is None:
             raise DataError(f"{directory} has no {MANIFEST}: not a prepared token directory "
                             "(make one with `longrun data prepare INPUT... --tokenizer TOK --out DIR`)")
@@ -178,15 +220,25 @@ class TokenShards:
             raise DataError(f"{directory} is not finished ({len(manifest['shards'])} shard(s) so far): "
                             "rerun the same `longrun data prepare` command to complete it")
         self.manifest = manifest
+        self.manifest_sha256 = digest
         self.tokenizer_sha256 = manifest["tokenizer"]["sha256"]
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self.dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[manifest["dtype"]])
+        self.stamps: Stamps = {}  # every shard file's [size, mtime_ns] when opened
+        marked = read_mark(directory, digest) if verify == "lazy" else {}
+        self._verified: set[int] = set()  # shards known good: nothing to hash before reading them
+        self._verify_lock = threading.Lock()
         self._bins: list[np.ndarray] = []
         self._offsets: list[np.ndarray] = []
-        for entry in manifest["shards"]:
-            problem = check_shard(directory, entry, self.dtype.itemsize, verify=verify)
+        for i, entry in enumerate(manifest["shards"]):
+            problem, stamps = _check_sizes(directory, entry, self.dtype.itemsize)
+            if problem is None and verify == "all":
+                problem = _check_hashes(directory, entry)
             if problem:
-                raise DataError(problem + "; rerun `longrun data prepare` into a new directory")
+                raise DataError(problem + _REPREPARE)
+            self.stamps.update(stamps)
+            if verify != "lazy" or all(marked.get(name) == st for name, st in stamps.items()):
+                self._verified.add(i)
             offsets = np.fromfile(directory / f"{entry['name']}.idx", dtype=INDEX_DTYPE).astype(np.int64)
             if offsets[0] != 0 or offsets[-1] != entry["tokens"] or np.any(np.diff(offsets) < 0):
                 raise DataError(f"shard {directory / entry['name']}.idx is corrupt: its offsets do not "
@@ -197,6 +249,20 @@ class TokenShards:
         self._first_doc = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.lengths = (np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets
                         else np.zeros(0, dtype=np.int64))
+
+    @property
+    def unverified_shards(self) -> int:
+        """Shards that will be hashed when first read (no verification mark vouches for them)."""
+        return len(self._offsets) - len(self._verified)
+
+    def _verify(self, shard: int) -> None:
+        with self._verify_lock:  # two threads reading one new shard hash it once
+            if shard in self._verified:
+                return
+            problem = _check_hashes(Path(self.path), self.manifest["shards"][shard])
+            if problem:
+                raise DataError(problem + _REPREPARE)
+            self._verified.add(shard)
 
     @property
     def num_documents(self) -> int:
@@ -214,5 +280,7 @@ class TokenShards:
         if not 0 <= start <= stop <= length:
             raise IndexError(f"tokens [{start}, {stop}) are outside document {doc} (length {length})")
         shard = int(np.searchsorted(self._first_doc, doc, side="right")) - 1
+        if shard not in self._verified:
+            self._verify(shard)
         base = int(self._offsets[shard][doc - self._first_doc[shard]])
         return np.asarray(self._bins[shard][base + start: base + stop], dtype=np.int64)

@@ -8,6 +8,11 @@ file names filtered by glob patterns) or a glob pattern. Each file is read by it
 - anything else: one text file is one document; files found in a directory that are not
   UTF-8 text (a NUL byte or invalid UTF-8 in the first 8 KiB, git's heuristic) are skipped.
 
+Bad text in a record does not stop the run: an invalid UTF-8 sequence (in a text or jsonl file)
+and a lone surrogate (a JSON escape like "\\ud800", half a UTF-16 pair, common in scraped
+jsonl) each become U+FFFD, counted in `SourceStats` with the file and line of the first. With
+strict=True (`--strict`) the first one is refused instead, naming its file and line.
+
 Nothing reads a whole input into memory: documents are yielded one at a time, so inputs larger
 than memory stream through. The order is fixed by the inputs (sorted directory walks, file
 order, line or row order), which is what makes prepared shards reproducible.
@@ -21,7 +26,8 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +39,17 @@ from longrun.data.errors import DataError
 SNIFF_BYTES = 8192
 PARQUET_BATCH_ROWS = 1024
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+REPLACEMENT = "\ufffd"
+NEWLINE = b"\n"
+_ENCODED_REPLACEMENT = REPLACEMENT.encode("utf-8")
+# A str from json.loads holds a surrogate only where an escape named half of a pair alone (a
+# whole pair decodes to one character); no UTF-8 encoder or tokenizer accepts one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Where one can come from: an escape \uD800-\uDFFF (raw surrogate bytes are invalid UTF-8,
+# replaced when decoded). Scanning the bytes for it first is ~6x faster than the text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_STRICT_HINT = ("fix the input, or leave out --strict to replace each such character with U+FFFD "
+                "(counted in the summary)")
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,59 @@ class SourceStats:
     documents: int = 0
     binary_files: int = 0
     empty_documents: int = 0
+    replaced_characters: int = 0  # invalid UTF-8 sequences and lone surrogates, each now U+FFFD
+    replaced_documents: int = 0
+    first_replaced: str | None = None  # "FILE line N" of the first one
+
+    _last_replaced: str | None = None
+
+    def replaced(self, where: str, characters: int) -> None:
+        self.replaced_characters += characters
+        if where != self._last_replaced:  # a record with bad bytes and a lone surrogate is one
+            self.replaced_documents += 1
+            self._last_replaced = where
+        if self.first_replaced is None:
+            self.first_replaced = where
+
+    def summary(self) -> str:
+        """What was replaced, where first, as the summary says it; empty when nothing was."""
+        if not self.replaced_characters:
+            return ""
+        return (f"replaced {self.replaced_characters:,} invalid character(s) with U+FFFD in "
+                f"{self.replaced_documents:,} document(s) (first: {self.first_replaced})")
+
+
+class _Policy:
+    """One policy for bad text everywhere: replace and count, or (strict) refuse naming where."""
+
+    def __init__(self, stats: SourceStats, strict: bool):
+        self.stats, self.strict = stats, strict
+
+    def decode(self, data: bytes, where: Callable[[int], str]) -> str:
+        """`data` as UTF-8; `where(offset)` names the place of an invalid byte at `offset`."""
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if self.strict:
+                raise DataError(f"{where(exc.start)}: invalid UTF-8 (byte 0x{data[exc.start]:02x}); "
+                                f"{_STRICT_HINT}") from None
+            text = data.decode("utf-8", errors="replace")
+            # Each invalid sequence became one U+FFFD; the input's own U+FFFDs (EF BF BD, never
+            # part of an invalid sequence) are not replacements.
+            self.stats.replaced(where(exc.start),
+                                text.count(REPLACEMENT) - data.count(_ENCODED_REPLACEMENT))
+            return text
+
+    def without_surrogates(self, text: str, where: str) -> str:
+        found = _SURROGATE.search(text)
+        if found is None:
+            return text
+        if self.strict:
+            raise DataError(f"{where}: a lone surrogate U+{ord(found.group()):04X} (a \\u escape of half "
+                            f"a UTF-16 pair, not a character); {_STRICT_HINT}")
+        text, count = _SURROGATE.subn(REPLACEMENT, text)
+        self.stats.replaced(where, count)
+        return text
 
 
 def _kind(path: str) -> str:
@@ -72,10 +142,20 @@ def _input_file(path: str, named: bool) -> InputFile:
     return InputFile(os.path.abspath(path), _kind(path), st.st_size, st.st_mtime_ns, named)
 
 
+def _inside(path: str, directory: str | None) -> bool:
+    """Whether `path` is `directory` or lies under it (after symlinks are resolved)."""
+    if directory is None:
+        return False
+    real = os.path.realpath(path)
+    return real == directory or real.startswith(directory.rstrip(os.sep) + os.sep)
+
+
 def _walk(root: str, patterns: Sequence[str], exclude: str | None) -> Iterator[str]:
+    if _inside(root, exclude):
+        return
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                             and os.path.abspath(os.path.join(dirpath, d)) != exclude)
+                             and not _inside(os.path.join(dirpath, d), exclude))
         for name in sorted(filenames):
             if not name.startswith(".") and any(fnmatch.fnmatch(name, p) for p in patterns):
                 yield os.path.join(dirpath, name)
@@ -84,9 +164,10 @@ def _walk(root: str, patterns: Sequence[str], exclude: str | None) -> Iterator[s
 def resolve_inputs(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",),
                    exclude: str | None = None) -> list[InputFile]:
     """Every file the inputs name, in reading order; DataError for an input that names nothing.
-    `exclude`: a directory never walked into (prepare's output, when it sits inside an input:
-    its shards are not documents, and they change between a run and its resume)."""
-    exclude = os.path.abspath(exclude) if exclude else None
+    `exclude`: a directory never read from, whether walked into, matched by a glob or named
+    (prepare's output, when it sits inside an input: its shards are not documents, and they
+    change between a run and its resume)."""
+    exclude = os.path.realpath(exclude) if exclude else None
     if not inputs:
         raise DataError("empty input: no input files or directories given")
     files: list[InputFile] = []
@@ -94,11 +175,16 @@ def resolve_inputs(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",),
         if os.path.isdir(item):
             files.extend(_input_file(p, named=False) for p in _walk(item, patterns, exclude))
         elif os.path.isfile(item):
+            if _inside(item, exclude):
+                raise DataError(f"input {item!r} is inside the output directory {exclude}, whose files "
+                                "are written by this command: give inputs outside --out")
             files.append(_input_file(item, named=True))
         elif glob.has_magic(item):
-            matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            matched = sorted(p for p in glob.glob(item, recursive=True)
+                             if os.path.isfile(p) and not _inside(p, exclude))
             if not matched:
-                raise DataError(f"empty input: the pattern {item!r} matches no file")
+                raise DataError(f"empty input: the pattern {item!r} matches no file"
+                                + (f" outside the output directory {exclude}" if exclude else ""))
             files.extend(_input_file(p, named=False) for p in matched)
         else:
             raise DataError(f"input {item!r} does not exist (give files, directories or glob patterns)")
@@ -130,32 +216,38 @@ def looks_like_text(head: bytes, size: int) -> bool:
     return True
 
 
-def _read_text(f: InputFile, stats: SourceStats) -> Iterator[Document]:
+def _read_text(f: InputFile, policy: _Policy) -> Iterator[Document]:
     with open(f.path, "rb") as fh:
         head = fh.read(SNIFF_BYTES)
         if not looks_like_text(head, f.size):
             if f.named:
                 raise DataError(f"{f.path} is not UTF-8 text (a NUL byte or invalid UTF-8 in its first "
                                 f"{SNIFF_BYTES} bytes); only text, .jsonl and .parquet files can be read")
-            stats.binary_files += 1
+            policy.stats.binary_files += 1
             return
-        # A text file is one document; past the sniff, a stray invalid byte becomes U+FFFD.
-        text = (head + fh.read()).decode("utf-8", errors="replace")
-    yield Document(text, f.size)
+        # A text file is one document; past the sniff, a stray invalid byte is a bad record.
+        data = head + fh.read()
+
+    def where(offset: int) -> str:
+        return f"{f.path} line {data.count(NEWLINE, 0, offset) + 1}"
+
+    yield Document(policy.decode(data, where), f.size)
 
 
 def _describe_fields(obj: dict) -> str:
     return ", ".join(json.dumps(k) for k in list(obj)[:20]) or "no fields"
 
 
-def _read_jsonl(f: InputFile, column: str) -> Iterator[Document]:
+def _read_jsonl(f: InputFile, column: str, policy: _Policy) -> Iterator[Document]:
     with open(f.path, "rb") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             where = f"{f.path} line {line_no}"
+            if line_no == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8):]  # what json.loads of the bytes skipped
             try:
-                obj = json.loads(line)
+                obj = json.loads(policy.decode(line, lambda _, where=where: where))
             except ValueError as exc:
                 raise DataError(f"{where} is not valid JSON ({exc})") from None
             if not isinstance(obj, dict):
@@ -168,6 +260,8 @@ def _read_jsonl(f: InputFile, column: str) -> Iterator[Document]:
             if text is not None and not isinstance(text, str):
                 raise DataError(f"{where}: the {json.dumps(column)} field is a {type(text).__name__}, "
                                 "not a string")
+            if text and _SURROGATE_ESCAPE.search(line):
+                text = policy.without_surrogates(text, where)
             yield Document(text or "", len(line))
 
 
@@ -205,17 +299,19 @@ def _named_os_errors(f: InputFile, docs: Iterator[Document]) -> Iterator[Documen
 
 
 def iter_documents(files: Sequence[InputFile], *, text_column: str = "text",
-                   stats: SourceStats | None = None) -> Iterator[Document]:
+                   stats: SourceStats | None = None, strict: bool = False) -> Iterator[Document]:
     """The documents of `files` in order, empty ones skipped; DataError if there is none at all
-    ("empty input"), raised when the stream ends."""
+    ("empty input"), raised when the stream ends. Bad text is replaced and counted in `stats`,
+    or with `strict` refused naming its file and line."""
     stats = stats if stats is not None else SourceStats()
+    policy = _Policy(stats, strict)
     for f in files:
         if f.kind == "jsonl":
-            docs = _read_jsonl(f, text_column)
+            docs = _read_jsonl(f, text_column, policy)
         elif f.kind == "parquet":
-            docs = _read_parquet(f, text_column)
+            docs = _read_parquet(f, text_column)  # Arrow strings are valid UTF-8: checked on write
         else:
-            docs = _read_text(f, stats)
+            docs = _read_text(f, policy)
         for doc in _named_os_errors(f, docs):
             if not doc.text:
                 stats.empty_documents += 1
@@ -228,8 +324,9 @@ def iter_documents(files: Sequence[InputFile], *, text_column: str = "text",
                         + (f" ({stats.empty_documents} empty document(s))" if stats.empty_documents else ""))
 
 
-def read_texts(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",),
-               text_column: str = "text") -> Iterator[str]:
+def read_texts(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",), text_column: str = "text",
+               stats: SourceStats | None = None, strict: bool = False) -> Iterator[str]:
     """Just the texts of the inputs, in order (what training a tokenizer reads)."""
-    for doc in iter_documents(resolve_inputs(inputs, patterns=patterns), text_column=text_column):
+    files = resolve_inputs(inputs, patterns=patterns)
+    for doc in iter_documents(files, text_column=text_column, stats=stats, strict=strict):
         yield doc.text

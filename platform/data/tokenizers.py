@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from longrun.config.vocabulary import BYTE_TOKENIZER_SHA256
 from longrun.data.errors import DataError
-from longrun.data.sources import read_texts
+from longrun.data.sources import SourceStats, read_texts
 
 if TYPE_CHECKING:
     from longrun.trainer.tokenizer import ByteTokenizer
@@ -179,10 +179,12 @@ def tokenizer_identity(tok: Any) -> dict[str, Any]:
 
 def train_bpe(inputs: list[str], vocab_size: int, out_dir: str, *, progress: bool = True,
               patterns: Sequence[str] = ("*",), text_column: str = "text",
-              overwrite: bool = False) -> BPETokenizer:
-    """Train a byte-level BPE on the documents of `inputs` (read like `data prepare` reads them),
-    save it to `out_dir` (Hugging Face layout) and return it loaded from there. An existing
-    tokenizer there is replaced only with overwrite=True: shards made with it would no longer match."""
+              overwrite: bool = False, strict: bool = False,
+              stats: SourceStats | None = None) -> BPETokenizer:
+    """Train a byte-level BPE on the documents of `inputs` (read like `data prepare` reads them:
+    bad text replaced and counted in `stats`, or refused with `strict`), save it to `out_dir`
+    (Hugging Face layout) and return it loaded from there. An existing tokenizer there is
+    replaced only with overwrite=True: shards made with it would no longer match."""
     out = Path(out_dir)
     if (out / TOKENIZER_FILE).exists() and not overwrite:
         raise TokenizerError(f"{out / TOKENIZER_FILE} exists: data prepared with it would no longer match; "
@@ -204,7 +206,8 @@ def train_bpe(inputs: list[str], vocab_size: int, out_dir: str, *, progress: boo
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=progress)
-    tok.train_from_iterator(read_texts(inputs, patterns=patterns, text_column=text_column), trainer)
+    texts = read_texts(inputs, patterns=patterns, text_column=text_column, stats=stats, strict=strict)
+    tok.train_from_iterator(texts, trainer)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tokenizer.trained.tmp"  # not save()'s own tokenizer.json.tmp
     tok.save(str(tmp))

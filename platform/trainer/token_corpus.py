@@ -6,13 +6,17 @@ of one directory and `part_sizes` tells the mixture sampler (`mixture.py`) where
 directory's chunks lie. Documents longer than model.max_seq_len are split by `Corpus`.
 
 Opening checks what the config check could not yet see (the directories may have been made
-after the config was validated): every shard's sha256 (by `TokenShards`), that the shards were
+after the config was validated): every shard's size (by `TokenShards`), that the shards were
 made with the job's tokenizer (data.tokenizer), that a mixture's directories share one
-tokenizer, and that model.vocab_size covers the tokenizer's ids.
+tokenizer, and that model.vocab_size covers the tokenizer's ids. Opening hashes nothing, so
+start-up does not grow with the data set: a shard no verification mark vouches for (see
+`longrun.data.verification`) is hashed when this rank first reads from it, in the prefetch
+thread, before its tokens reach a batch; a rank never hashes a shard it does not read.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +26,8 @@ from longrun.config.vocabulary import BYTE_TOKENIZER_SHA256
 from longrun.data.errors import DataError
 from longrun.data.shards import TokenShards
 from longrun.trainer.corpus import Corpus, SpecialTokens
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,11 @@ def open_token_corpus(data: DataSection, model: ModelSection, tokenizer: Special
     expected = getattr(tokenizer, "sha256", None) or (
         BYTE_TOKENIZER_SHA256 if data.tokenizer == "byte" else None)
     for name, part in zip(names, shards, strict=True):
+        if part.unverified_shards:
+            logger.warning("%d of %d shard(s) in %s carry no verification mark: each is hashed when this "
+                           "rank first reads from it; run `longrun data inspect %s --verify` once to "
+                           "record the mark", part.unverified_shards, len(part.manifest["shards"]),
+                           name, name)
         if expected is not None and part.tokenizer_sha256 != expected:
             raise DataError(
                 f"the shards in {name} were prepared with another tokenizer (sha256 "
