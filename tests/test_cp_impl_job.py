@@ -62,7 +62,8 @@ def ring_run(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("impl", ["ulysses", "usp"])
+# USP runs Ulysses inside the ring, so it stays in the default run; Ulysses alone is `slow`.
+@pytest.mark.parametrize("impl", [pytest.param("ulysses", marks=pytest.mark.slow), "usp"])
 def test_a_ulysses_or_usp_job_trains_like_the_ring_job(impl, ring_run, tmp_path):
     ring_losses, ring_weights = ring_run
     losses, weights = run_job(impl, tmp_path)

@@ -49,7 +49,10 @@ def _restore(tmp_path, parallelism, world, root, redis_url, job):
     return out
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+# By default: to TP x FSDP (boxes cut both ways) and to whole weights on one rank (the shrink to one
+# node); FSDP 2 and HSDP 2x2 are `slow`.
+@pytest.mark.parametrize("target", [pytest.param(name, marks=[] if name in ("tp2xfsdp2", "whole")
+                                                  else pytest.mark.slow) for name in TARGETS])
 def test_fsdp4_restores_at_another_layout_bitwise(target, tmp_path, redis_server):
     root = _save(tmp_path, FSDP4, 4, redis_server.url, f"to-{target}")
     parallelism, world = TARGETS[target]

@@ -24,6 +24,7 @@ LAYOUTS = {
     "tp2xdp2": ({"dp": 2, "tp": 2}, 1 / 2),
     "fsdp2xdynamic-cp": ({"fsdp": 2, "cp": 2, "dynamic_cp": True}, 1 / 2),
 }
+DEFAULT_RESUMES = ("fsdp4", "tp2xfsdp2", "fsdp2xdynamic-cp")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -48,7 +49,10 @@ def test_activation_checkpointing_keeps_the_gradients(ac, tmp_path):
         assert loss == pytest.approx(ref_loss, rel=1e-5), rank
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# By default one layout per kind of piece (FSDP shards, TP x FSDP boxes, CP with FSDP); the other
+# compositions are `slow` (their gradients are still checked by default, above).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT_RESUMES else pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_each_layout_resumes_bitwise_from_its_own_checkpoint(name, tmp_path, redis_server):
     parallelism, _ = LAYOUTS[name]
     root = str(tmp_path / "ckpt")
