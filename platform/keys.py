@@ -10,9 +10,12 @@ of times, and nothing there is read again. Under an attempt's prefix:
     diag:    the per-node stores of the collective self-check
     ckpt:    the checkpoint commit ledger (one hash per step)
     preempt: a stop request ("now"), then the step at which every rank saves and stops
+    ledger:  the step ledger (goodput/ledger.py): the last step each rank finished, one record
+             per step of the lowest rank, and each rank's restore; read by the controller before
+             the attempt's keys go
 
-The job record (attempt counter, state, events, restarts, evictions, skips) is job-wide: it
-must survive every attempt, and it is what `longrun status` reads.
+The job record (attempt counter, state, events, restarts, evictions, skips) and the goodput
+summary are job-wide: they must survive every attempt, and they are what `longrun status` reads.
 """
 
 from __future__ import annotations
@@ -69,12 +72,32 @@ def job_stop_key(job: str) -> str:
     return f"{job_prefix(job)}stop"
 
 
+def job_goodput_key(job: str) -> str:
+    """The goodput summary (a hash: seconds per bucket, goodput, wall time, recent faults)."""
+    return f"{job_prefix(job)}goodput"
+
+
 def heartbeat_key(job: str, attempt: int, rank: int) -> str:
     return f"{attempt_prefix(job, attempt)}hb:{rank}"
 
 
 def preempt_key(job: str, attempt: int) -> str:
     return f"{attempt_prefix(job, attempt)}preempt"
+
+
+def ledger_done_key(job: str, attempt: int) -> str:
+    """Rank -> the last step that rank finished in the attempt (a hash)."""
+    return f"{attempt_prefix(job, attempt)}ledger:done"
+
+
+def ledger_steps_key(job: str, attempt: int) -> str:
+    """One JSON record per step of the attempt's lowest rank (a list, consumed by the controller)."""
+    return f"{attempt_prefix(job, attempt)}ledger:steps"
+
+
+def ledger_restored_key(job: str, attempt: int) -> str:
+    """Rank -> JSON of what the rank restored at the attempt's start, and when training began."""
+    return f"{attempt_prefix(job, attempt)}ledger:restored"
 
 
 def store_prefix(job: str, attempt: int) -> str:

@@ -53,6 +53,37 @@ def test_the_resharding_bench_saves_at_fsdp4_and_restores_at_fsdp2():
     assert all(0 < read < 0.75 * result["longrun_bytes"] for read in result["bytes_read_per_rank"])
 
 
+def test_the_goodput_model_scales_the_llama3_failure_rate_and_cites_its_inputs():
+    # bench/goodput_model.py is arithmetic: run it as shipped and with the failure rate doubled.
+    out = _run(script="goodput_model.py")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["gpus"] == [1024, 16384, 100000]
+    # 419 interruptions in 54 days on 16,384 GPUs, per GPU: one every 3.09 h at 16k, 16x that at 1k.
+    assert result["mtbf_h"][1] == pytest.approx(54 * 24 / 419, rel=1e-3)
+    assert result["mtbf_h"][0] == pytest.approx(16 * result["mtbf_h"][1], rel=1e-3)
+    for system, goodput in result["goodput"].items():
+        assert all(0 < g < 1 for g in goodput), system
+        assert goodput[2] < goodput[1], system  # faults every 30 min cost more than every 3 h
+    # The searched best interval agrees with Young/Daly's sqrt(2 C MTBF) where the grid allows it.
+    for best, young in zip(result["storage_interval_s"]["baseline"], result["young_daly_s"]["baseline"],
+                           strict=True):
+        assert best == pytest.approx(young, rel=0.1)
+    # Every measured input names the row of docs/benchmarks.md (or the config default) it comes from.
+    inputs = out.stdout.split("## Inputs")[1].split("## Assumptions")[0]
+    for flag in ("crash-detect-s", "warm-restart-s", "cold-restart-s", "memory-restore-gbs",
+                 "storage-restore-gbs", "snapshot-block-gbs", "ckpt-block-gbs", "heartbeat-timeout-s"):
+        row = next(line for line in inputs.splitlines() if line.startswith(f"| {flag} |"))
+        assert "'" in row.split("|")[3] or "HealthSection" in row, row
+    doubled = _run("--interruptions", "838", "--gpus", "16384", "--cold-restart-s", "9",
+                   script="goodput_model.py")
+    assert doubled.returncode == 0, doubled.stderr
+    again = json.loads(doubled.stdout.strip().splitlines()[-1])
+    assert again["mtbf_h"][0] == pytest.approx(result["mtbf_h"][1] / 2, rel=1e-3)
+    assert again["goodput"]["baseline"][0] < result["goodput"]["baseline"][1]
+    assert "| cold-restart-s | 9 s (overridden) |" in doubled.stdout  # a replaced measurement says so
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 def test_mfu_benchmark_skips_without_a_gpu():
     out = _run()

@@ -15,6 +15,8 @@ from longrun.controller.placement import (
     bundle_nodes,
     choose_nodes,
     place,
+    placeable_nodes,
+    spare_nodes,
 )
 
 
@@ -41,6 +43,32 @@ def test_choose_nodes_explains_an_impossible_job():
     msg = str(info.value)
     assert "needs 3 node(s) with 2 CPU each" in msg and "has 1 such node(s)" in msg
     assert "1 evicted" in msg
+
+
+def test_spare_nodes_count_free_resources_not_totals():
+    # id1 and id2 run the job; id3 is free; id4 is alive but another job holds its cores.
+    nodes = [node(1, free=0), node(2, free=0), node(3), node(4, free=0), node(5, free=1)]
+    assert spare_nodes(job(), nodes, own=["id1", "id2"]) == 1  # id4 busy, id5 too small now
+    assert spare_nodes(job(), nodes, evicted=["id3"], own=["id1", "id2"]) == 0
+    # With no placement of its own, the job needs cluster.nodes free nodes first.
+    assert spare_nodes(job(), [node(1), node(2), node(3), node(4, free=0)]) == 1
+
+
+def test_placeable_nodes_count_the_jobs_own_just_released_nodes_as_free():
+    nodes = [node(1, free=0), node(2, free=0), node(3), node(4, free=0)]
+    assert placeable_nodes(job(), nodes) == 1
+    # id1 and id2 are the placement the job just gave back: Ray's view of them trails the release.
+    assert placeable_nodes(job(), nodes, held=["id1", "id2"]) == 3
+    assert placeable_nodes(job(), nodes, evicted=["id3"], held=["id1"]) == 1
+
+
+def test_an_impossible_job_says_how_many_nodes_could_be_placed_now_and_how_many_exist():
+    with pytest.raises(PlacementImpossible) as info:
+        choose_nodes(job(nodes=3), [node(1), node(2, free=0), node(3, total=1)])
+    assert (info.value.available, info.value.existing) == (1, 2)
+    with pytest.raises(PlacementImpossible) as info:
+        choose_nodes(job(nodes=3), [node(1), node(2, free=0)], held=["id2"])
+    assert (info.value.available, info.value.existing) == (2, 2)
 
 
 @pytest.fixture(scope="module")

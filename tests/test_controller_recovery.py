@@ -63,7 +63,9 @@ def test_a_lost_worker_is_replaced_and_nothing_committed_is_lost(kind, rank, clu
     summary = Controller(cfg, redis_server.url, on_event=lines.append).run()
     assert summary["step"] == STEPS
     assert summary["restarts"] == 1 and summary["attempt"] == 1
-    assert summary["resumed_from"] == 2  # the newest checkpoint committed before the fault
+    # The newest checkpoint committed before the fault (2), or the peers' memory snapshot of
+    # step 3 when it reached them before the fault fired after that step (never less).
+    assert summary["resumed_from"] in (2, 3)
     _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     status = job_status(redis_client, cfg.job.name, events=100)
     assert status["state"] == "SUCCEEDED" and status["attempt"] == 1

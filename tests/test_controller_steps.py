@@ -126,14 +126,15 @@ def test_a_job_that_can_never_be_placed_fails_with_the_reason(rig, redis_client)
     assert "the cluster has 1" in job_status(redis_client, cfg.job.name)["fields"]["reason"]
 
 
-def test_busy_resources_are_a_restart_not_a_failure(rig):
+def test_busy_resources_are_waited_for_not_a_restart_or_a_failure(rig, redis_client):
     make, launcher, *_ = rig
     launcher.failures[0] = PlacementTimeout("could not be reserved within 120 s")
     c = make(job("steps-busy"))
     assert c.step() is JobState.PLACING
-    assert c.step() is JobState.RECOVERING
-    assert c.step() is JobState.PLACING
-    assert c.step() is JobState.DIAGNOSING and launcher.calls[-1]["attempt"] == 1
+    assert c.step() is JobState.PLACING  # busy is not gone: placing again, no restart
+    del launcher.failures[0]  # the other job let go
+    assert c.step() is JobState.DIAGNOSING and launcher.calls[-1]["attempt"] == 0
+    assert job_status(redis_client, "steps-busy")["restarts"] == 0
 
 
 def test_an_exception_waits_for_its_cause_and_the_dead_peer_is_blamed(rig, redis_client):

@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from longrun import keys
 from longrun.config import config_from_dict
 from longrun.controller.controller import Controller, JobFailed, job_status
-from longrun.controller.placement import PlacementImpossible
+from longrun.controller.placement import PlacementImpossible, PlacementTimeout
 from longrun.controller.state import JobState
 from longrun.controller.workers import RankEnded
 from longrun.health.decisions import Action
@@ -74,10 +74,13 @@ class Group:
 
 
 class ElasticLauncher:
-    """Places a config on `available` nodes (never evicted ones), or refuses as placement does."""
+    """Places a config on the live nodes (never evicted ones), or refuses as placement does: too
+    few nodes is PlacementImpossible; enough nodes of which some are `busy` (alive, another job
+    holds their resources) is PlacementTimeout once `timeout_s` has passed on the fake clock."""
 
     def __init__(self, clock: Clock):
         self.clock, self.nodes = clock, list(NODES[:3])
+        self.busy: set[str] = set()
         self.placed: list = []  # the config of every successful placement
         self.groups: list[Group] = []
         self.tries = 0
@@ -85,19 +88,28 @@ class ElasticLauncher:
     def live(self, evicted):
         return [n for n in self.nodes if n not in set(evicted)]
 
+    def free(self, evicted):
+        return [n for n in self.live(evicted) if n not in self.busy]
+
     def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=()):
         self.tries += 1
-        live = self.live(evicted)
+        live, free = self.live(evicted), self.free(evicted)
         if len(live) < cfg.cluster.nodes:
             raise PlacementImpossible(f"the job needs {cfg.cluster.nodes} node(s); the cluster has "
-                                      f"{len(live)}", available=len(live))
-        group = Group(cfg, live, self.clock)
+                                      f"{len(live)}", available=len(free), existing=len(live))
+        if len(free) < cfg.cluster.nodes:
+            self.clock.t += timeout_s  # Ray's placement group waited for the busy nodes
+            raise PlacementTimeout(f"{cfg.world_size} worker(s) could not be reserved within "
+                                   f"{timeout_s:g} s: their resources are in use",
+                                   available=len(free), existing=len(live))
+        group = Group(cfg, free, self.clock)
         self.placed.append(cfg)
         self.groups.append(group)
         return group
 
     def spare_nodes(self, cfg, evicted):
-        return max(0, len(self.live(evicted)) - cfg.cluster.nodes)
+        # As RayLauncher: free nodes beyond the job's own (a busy node is no spare).
+        return max(0, len(self.free(evicted)) - cfg.cluster.nodes)
 
     def warm_spares(self):
         pass
@@ -309,3 +321,101 @@ def test_a_restart_while_shrunk_tries_the_full_size_first_and_shrinks_again_with
     # The same layout as the attempt before: no resize to record.
     events = job_status(redis_client, "el-again", events=100)["events"]
     assert [e["direction"] for e in events if e["type"] == "resized"] == ["shrink"]
+
+
+# -- busy is not gone (issue 26, hole 1): a node that is alive but whose resources another job
+# holds is waited for or worked around, and never spends the restart budget.
+
+def test_a_grow_whose_node_turns_busy_before_placing_keeps_training_on_fewer(rig, redis_client, tmp_path):
+    make, launcher, _ = rig
+    cfg = job("el-busy-grow", tmp_path, min_nodes=2, shrink_after_s=0.0, max_restarts=1)
+    c = make(cfg)
+    to_running(c)
+    lose_node(c, launcher, redis_client)  # restart 1 of 1: the budget is spent
+    to_running(c)
+    launcher.nodes.append("node-d")  # free: the grow is asked for
+    beat_all(redis_client, c, 6)
+    assert c.step() is JobState.RUNNING and c.attempt.grow is not None
+    c.group.script.append([finished(r, 7, preempted=True) for r in range(4)])
+    assert c.step() is JobState.RECOVERING
+    launcher.busy.add("node-d")  # another job takes it before the placement does
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.RENDEZVOUS  # the full size timed out: straight on at 2 nodes
+    assert launcher.placed[-1].cluster.nodes == 2 and c.layout.cluster.nodes == 2
+    to_running(c)
+    beat_all(redis_client, c, 8)
+    assert c.step() is JobState.RUNNING and c.attempt.grow is None  # busy: no grow asked again
+    c.group.script.append([finished(r, 10) for r in range(4)])
+    assert c.step() is JobState.SUCCEEDED and c.summary["nodes"] == 2
+    assert c.summary["restarts"] == 1  # the lost node only: waiting on a busy node spends nothing
+    events = job_status(redis_client, cfg.job.name, events=100)["events"]
+    assert [e["attempt"] for e in events if e["type"] == "fault"] == [0]  # the lost node only
+    assert [e["direction"] for e in events if e["type"] == "resized"] == ["shrink"]
+
+
+def test_a_restart_while_shrunk_with_the_node_back_but_busy_continues_on_fewer(rig, redis_client, tmp_path):
+    make, launcher, _ = rig
+    cfg = job("el-busy-restart", tmp_path, min_nodes=2, max_restarts=2)
+    c = make(cfg)
+    to_running(c)
+    lose_node(c, launcher, redis_client)
+    to_running(c)
+    launcher.nodes.append("node-d")
+    launcher.busy.add("node-d")  # back, but another job holds it
+    beat_all(redis_client, c, 5)
+    assert c.step() is JobState.RUNNING and c.attempt.grow is None  # a busy node is no reason to grow
+    c.group.script.append([RankEnded(1, kind="dead", detail="rank 1's process died")])
+    assert c.step() is JobState.RECOVERING  # restart 2 of 2
+    assert c.step() is JobState.PLACING
+    assert c.step() is JobState.RENDEZVOUS  # the full size waited out its timeout; 2 nodes at once
+    assert launcher.placed[-1].cluster.nodes == 2
+    restarts = job_status(redis_client, cfg.job.name)["restarts"]
+    assert restarts == 2  # node_lost and dead; the placement timeout was none
+    to_running(c)
+    c.group.script.append([finished(r, 10) for r in range(4)])
+    assert c.step() is JobState.SUCCEEDED
+
+
+def test_too_few_free_nodes_for_any_size_waits_for_busy_ones_and_never_fails(rig, redis_client, tmp_path):
+    make, launcher, _ = rig
+    cfg = job("el-all-busy", tmp_path, min_nodes=2, shrink_after_s=0.0)
+    c = make(cfg)
+    to_running(c)
+    lose_node(c, launcher, redis_client)
+    launcher.busy.add("node-b")  # 2 nodes exist, 1 can be placed: fewer than min_nodes
+    assert c.step() is JobState.PLACING
+    for _ in range(5):
+        assert c.step() is JobState.PLACING
+    waiting = [e for e in job_status(redis_client, cfg.job.name, events=100)["events"]
+               if e["type"] == "waiting_for_nodes"]
+    assert len(waiting) == 1 and "busy is not gone" in waiting[0]["reason"]
+    launcher.busy.clear()
+    assert c.step() is JobState.RENDEZVOUS and launcher.placed[-1].cluster.nodes == 2
+    assert job_status(redis_client, cfg.job.name)["restarts"] == 1
+
+
+def test_a_job_that_is_not_elastic_waits_for_busy_nodes_without_spending_restarts(rig, redis_client,
+                                                                                  tmp_path):
+    make, launcher, _ = rig
+    cfg = job("el-rigid-busy", tmp_path, max_restarts=0)
+    launcher.busy.add("node-c")
+    c = make(cfg)
+    assert c.step() is JobState.PLACING
+    for _ in range(3):
+        assert c.step() is JobState.PLACING  # each try waits out the placement timeout
+    assert launcher.tries == 3 and not launcher.placed
+    events = job_status(redis_client, cfg.job.name, events=100)["events"]
+    waiting = [e for e in events if e["type"] == "waiting_for_nodes"]
+    assert len(waiting) == 1, events
+    reason = waiting[0]["reason"]
+    assert "their resources are in use" in reason and "no restart budget" in reason
+    assert not [e for e in events if e["type"] in ("fault", "decision")]
+    launcher.busy.clear()
+    assert c.step() is JobState.RENDEZVOUS and c.attempt.number == 0
+    to_running(c)
+    c.group.script.append([finished(r, 10) for r in range(6)])
+    assert c.step() is JobState.SUCCEEDED and c.summary["restarts"] == 0
+    # A node that does not exist still fails the job at once, as before.
+    launcher.nodes.remove("node-c")
+    with pytest.raises(JobFailed, match="the cluster has 2"):
+        make(job("el-rigid-gone", tmp_path)).run()

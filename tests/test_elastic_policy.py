@@ -69,6 +69,22 @@ def test_min_nodes_equal_to_the_job_waits_then_gives_up_and_unset_gives_up_at_on
     assert now.action is Resize.GIVE_UP and "not elastic (recovery.min_nodes is unset)" in now.reason
 
 
+def test_busy_nodes_are_not_gone_the_policy_waits_for_them_instead_of_giving_up():
+    # 4 nodes exist, 3 are busy (another job holds them): 1 can be placed, fewer than min_nodes.
+    busy = POLICY.short(available=1, waited_s=1e6, existing=4)
+    assert (busy.action, busy.nodes) == (Resize.WAIT, 4)
+    assert "3 more are busy" in busy.reason and "busy is not gone" in busy.reason
+    # What can be placed now is what the job continues on: 3 exist, 2 of them free.
+    d = POLICY.short(available=2, waited_s=60, existing=3)
+    assert (d.action, d.nodes) == (Resize.SHRINK, 2)
+    # Nodes that do not exist still end the job (existing defaults to available).
+    assert POLICY.short(available=1, waited_s=61, existing=1).action is Resize.GIVE_UP
+    assert POLICY.short(available=1, waited_s=61).action is Resize.GIVE_UP
+    full = ScalingPolicy(configured=3, min_nodes=3, shrink_after_s=0.0, sizes=frozenset())
+    assert full.short(available=2, waited_s=100, existing=3).action is Resize.WAIT
+    assert full.short(available=2, waited_s=100, existing=2).action is Resize.GIVE_UP
+
+
 def test_the_policy_grows_back_only_to_the_configured_size():
     assert POLICY.running(current=4, available=4).action is Resize.KEEP
     partial = POLICY.running(current=2, available=3)  # a resize costs a save and a restart
@@ -131,6 +147,16 @@ def test_sizing_counts_the_wait_from_the_first_failed_placement():
     sizing.placed_in_full()
     assert sizing.short(available=3, now=200.0)[0].action is Resize.WAIT
     assert Sizing.of(job(min_nodes=None)) is None
+
+
+def test_sizing_counts_a_timed_out_placement_as_time_waited():
+    sizing = Sizing(job(dp=8))
+    # The full-size try began at 100 and timed out at 130 (shrink_after_s = 30): continue at once.
+    decision, smaller = sizing.short(available=3, now=130.0, since=100.0, existing=4)
+    assert decision.action is Resize.SHRINK and smaller.cluster.nodes == 3
+    sizing.placed_in_full()
+    busy, _ = sizing.short(available=1, now=500.0, since=400.0, existing=4)
+    assert busy.action is Resize.WAIT and "busy" in busy.reason
 
 
 @pytest.mark.parametrize("raw, needles", [

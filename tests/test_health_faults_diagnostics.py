@@ -169,3 +169,45 @@ def test_run_diagnostics_reports_by_node_and_rejects_unknown_checks(redis_server
     assert report.reason == "all checks passed"
     with pytest.raises(ValueError, match="unknown diagnostic"):
         run_diagnostics(["gpu-burn"], node="n", rank=0, device=torch.device("cpu"))
+
+
+def test_fail_save_fault_fails_the_next_save_as_a_full_disk_once(tmp_path):
+    import fsspec
+
+    from longrun.checkpoint import (
+        CheckpointWriteError,
+        CheckpointWriter,
+        HostStager,
+        LocalCommitLedger,
+        Manifest,
+    )
+    from longrun.checkpoint.layout import committed_steps
+    from longrun.checkpoint.manifest import rank_shard_name
+    from longrun.checkpoint.writer import SaveJob
+
+    fs = fsspec.filesystem("file")
+    writer = CheckpointWriter(fs, str(tmp_path), rank=0, world_size=1, ledger=LocalCommitLedger(),
+                              keep_last=2, commit_timeout_s=5.0)
+    injector = FaultInjector([FaultSpec(rank=0, step=3, kind="fail_save")], rank=0, attempt=0,
+                             on_fail_save=writer.fail_next_save)
+
+    def save(step: int) -> None:
+        snapshot = HostStager().stage({rank_shard_name(0): {"x": torch.full((3,), float(step))}})
+        writer.submit(SaveJob(step, snapshot, Manifest(step=step, world_size=1, dp_size=1, model={},
+                                                       config_fingerprint="f")))
+        writer.wait_idle()
+
+    injector.after_step(2)
+    save(2)
+    writer.raise_if_failed()
+    injector.after_step(3)  # armed: the next save fails, this one and no other
+    save(4)
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        writer.raise_if_failed()
+    save(6)
+    writer.raise_if_failed()
+    writer.close()
+    assert committed_steps(fs, str(tmp_path)) == [2, 6]
+    with pytest.raises(ValueError, match="checkpoint writer"):  # nothing to arm: said, not ignored
+        FaultInjector([FaultSpec(rank=0, step=1, kind="fail_save")], rank=0, attempt=0).after_step(1)
+

@@ -256,6 +256,19 @@ def test_backoff_doubles_per_recent_restart_and_is_capped():
     assert decide(dead, past(3), recovery(restart_backoff_s=0.0), now=NOW).backoff_s == 0.0
 
 
+def test_backoff_starts_again_from_the_base_once_the_job_trains_past_its_last_fault():
+    roomy = recovery(max_restarts=100, max_restarts_in_window=50)
+    # A fault every minute, each further on than the last: the job trains between them.
+    progressing = [RestartRecord(at=NOW - 60.0 * (4 - k), cause="dead", step=10 * (k + 1), rank=0)
+                   for k in range(4)]
+    assert decide([Incident("dead", rank=0, step=55, at=NOW)], progressing, roomy, now=NOW).backoff_s == 1.0
+    # The same faults, but this one came before the job got past step 40: it doubles per
+    # restart back to the last one that was followed by progress (40 > 30).
+    assert decide([Incident("dead", rank=0, step=40, at=NOW)], progressing, roomy, now=NOW).backoff_s == 2.0
+    stuck = [RestartRecord(at=NOW - 60.0 * (4 - k), cause="dead", step=40, rank=0) for k in range(4)]
+    assert decide([Incident("dead", rank=0, step=40, at=NOW)], stuck, roomy, now=NOW).backoff_s == 16.0
+
+
 def test_evictions_are_the_union_and_restore_point_survives():
     incidents = [
         Incident("nan", step=120, at=NOW),

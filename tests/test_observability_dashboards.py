@@ -199,3 +199,14 @@ def test_every_metric_a_query_names_is_exported():
     assert len(used) > 20
     missing = sorted(used - exported)
     assert not missing, f"queries name metrics no exporter has: {missing}"
+
+
+def test_the_overview_shows_goodput_and_where_the_time_went(models):
+    panels = {p["title"]: p for p in models["longrun-overview"]["panels"]}
+    goodput, spent = panels["Goodput"], panels["Time by bucket"]
+    assert goodput["type"] == "stat" and goodput["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert "longrun_goodput_ratio" in goodput["targets"][0]["expr"]
+    assert spent["type"] == "timeseries" and spent["fieldConfig"]["defaults"]["unit"] == "s"
+    assert spent["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert spent["targets"][0]["expr"].startswith("sum by (bucket) (longrun_job_seconds_total{")
+

@@ -41,6 +41,7 @@ WORKER_FAMILIES = {
     "longrun_dynamic_cp_predicted_step_seconds": ("gauge", set()),
     "longrun_dynamic_cp_measured_step_seconds": ("gauge", set()),
     "longrun_group_init_seconds": ("gauge", {"phase"}),
+    "longrun_memory_dropped_snapshots": ("counter", set()),
 }
 CONTROLLER_FAMILIES = {
     "longrun_job_state": ("stateset", {"longrun_job_state"}),
@@ -62,6 +63,8 @@ CONTROLLER_FAMILIES = {
     "longrun_elastic_resizes": ("counter", {"direction"}),
     "longrun_job_nodes": ("gauge", set()),
     "longrun_job_world_size": ("gauge", set()),
+    "longrun_goodput_ratio": ("gauge", set()),
+    "longrun_job_seconds_total": ("gauge", {"bucket"}),  # a gauge: see controller_metrics.py
 }
 
 
@@ -85,6 +88,7 @@ def busy_worker() -> WorkerMetrics:
     w.observe_group_init("world_init", 0.3)
     w.observe_state("fsdp2.tp2", {"parameters": 400, "gradients": 400, "optimizer": 800})
     w.observe_restore("storage", 1.5)
+    w.snapshot_dropped(7, "a slow keeper")
     return w
 
 
@@ -117,7 +121,7 @@ def test_worker_text_exposition_uses_unit_suffixes():
     assert not any(n.endswith("_created") for n in names)  # unit-less timestamps are switched off
     for f in text_string_to_metric_families(text):
         if f.type in ("histogram", "counter"):
-            assert f.name.endswith(("_seconds", "_size", "_tokens")), f.name
+            assert f.name.endswith(("_seconds", "_size", "_tokens", "_snapshots")), f.name
 
 
 def test_worker_phases_buckets_and_init_phases():
@@ -258,3 +262,20 @@ def test_several_exporters_share_a_process_without_collisions():
     a, b, c = WorkerMetrics("demo", 0), WorkerMetrics("demo", 1), ControllerMetrics("demo")
     assert a.registry is not b.registry is not c.registry
     assert "longrun_train_step" in families(a.registry) and "longrun_job_state" in families(c.registry)
+
+
+def test_goodput_series_cover_every_bucket_and_follow_the_account():
+    from longrun.goodput.accounting import BUCKETS
+
+    c = ControllerMetrics("demo")
+
+    def seconds():
+        samples = families(c.registry)["longrun_job_seconds_total"].samples
+        return {dict(s.labels)["bucket"]: s.value for s in samples}
+
+    assert seconds() == dict.fromkeys(BUCKETS, 0.0)  # there before the first second is accounted
+    c.set_goodput({"productive": 45.0, "startup": 5.0})
+    assert families(c.registry)["longrun_goodput_ratio"].samples[0].value == 0.9
+    c.set_goodput({"productive": 40.0, "redone": 5.0, "startup": 5.0})  # a fault's lost work moved
+    assert seconds() == dict.fromkeys(BUCKETS, 0.0) | {"productive": 40.0, "redone": 5.0, "startup": 5.0}
+    assert families(c.registry)["longrun_goodput_ratio"].samples[0].value == 0.8

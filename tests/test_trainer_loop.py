@@ -290,3 +290,27 @@ def test_activation_checkpointing_recomputes_without_changing_the_training(mode)
         got = _weights(recomputed)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_infinite_priming_loss_on_an_idle_micro_batch_leaves_a_finite_step_finite():
+    """An idle micro-batch joins the gradient synchronisation with a zero-weight pass; were its
+    loss infinite, `inf * 0.0` is NaN: the step's loss must not see it, its gradient stays 0."""
+    from longrun.trainer.step import MicroBatchWork, StepWork
+
+    with Trainer(_cfg(), progress=False) as trainer:
+        docs = [trainer.corpus[i] for i in range(4)]
+        mb = build_micro_batch(docs)
+        tokens = mb.n_tokens
+        trainer.forward_backward(StepWork([MicroBatchWork(mb, mb)], loss_tokens=tokens, sampler_state=None))
+        alone = [p.grad.clone() for p in trainer.model.parameters()]
+        loss_alone = trainer.forward_backward(
+            StepWork([MicroBatchWork(mb, mb)], loss_tokens=tokens, sampler_state=None))[0]
+        real_priming = trainer._priming_loss
+        trainer._priming_loss = lambda model: real_priming(model) + float("inf")
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss, _ = trainer.forward_backward(
+            StepWork([MicroBatchWork(mb, mb), MicroBatchWork(None, None)], loss_tokens=tokens,
+                     sampler_state=None))
+        assert math.isfinite(loss) and loss == pytest.approx(loss_alone, rel=1e-6)
+        for a, p in zip(alone, trainer.model.parameters(), strict=True):
+            torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=1e-5)

@@ -26,6 +26,7 @@ from longrun.checkpoint.layout import (
     read_latest,
     step_dir_name,
 )
+from longrun.checkpoint.lineage import FenceError, abandoned_reason, fenced_steps, read_fences
 from longrun.checkpoint.manifest import Manifest, ManifestError, stream_sha256
 from longrun.checkpoint.resharding import read_whole
 from longrun.checkpoint.restore import read_manifest
@@ -66,8 +67,13 @@ def resolve_step(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> 
     steps = committed_steps(fs, root)
     if not steps:
         raise CheckpointNotFound(f"no committed checkpoint under {root}{_hint(fs, root)}")
-    if step is None:
-        return steps[-1]
+    if step is None:  # the newest on the live path: a rollback's fenced steps are not resumed
+        try:
+            fenced = fenced_steps(fs, root)
+        except FenceError:  # `list` says why; reading is still possible
+            fenced = set()
+        live = [s for s in steps if s not in fenced]
+        return live[-1] if live else steps[-1]
     if step not in steps:
         raise CheckpointNotFound(f"no committed checkpoint of step {step} under {root}; "
                                  f"committed steps: {', '.join(map(str, steps))}")
@@ -88,6 +94,7 @@ class StepEntry:
     world_size: int | None = None
     dp_size: int | None = None
     error: str | None = None  # an unreadable manifest
+    abandoned: str | None = None  # fenced off by a loss-spike rollback (lineage.py): why
 
 
 @dataclass
@@ -120,6 +127,12 @@ def list_checkpoints(url: str) -> Listing:
     if not steps and not tmp_dirs:
         raise CheckpointNotFound(f"no checkpoints under {url}{_hint(fs, root)}")
     latest = read_latest(fs, root)
+    try:
+        fences = read_fences(fs, root)
+    except FenceError as exc:
+        fences, fence_problem = [], str(exc)
+    else:
+        fence_problem = None
     entries = []
     for step in steps:
         entry = StepEntry(step, f"{root}/{step_dir_name(step)}", latest == step)
@@ -131,6 +144,7 @@ def list_checkpoints(url: str) -> Listing:
             entry.created_unix = m.created_unix
             entry.total_bytes = sum(info.bytes for info in m.files.values())
             entry.shards, entry.world_size, entry.dp_size = len(m.files), m.world_size, m.dp_size
+            entry.abandoned = abandoned_reason(m, fences)
         entries.append(entry)
     pending = []
     for path in tmp_dirs:
@@ -143,6 +157,7 @@ def list_checkpoints(url: str) -> Listing:
         problem = f"there is no `{LATEST}` file (a job resuming here still uses the newest step)"
     elif latest is not None and latest not in steps:
         problem = f"`{LATEST}` names step {latest}, which is not a committed checkpoint"
+    problem = fence_problem or problem
     return Listing(url, entries, pending, latest, problem)
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from longrun.checkpoint.commit import CommitLedger, LocalCommitLedger
 from longrun.checkpoint.dcp_format import DCP_KEYS, data_file_name, pieces_of, skeleton
+from longrun.checkpoint.lineage import current_lineage
 from longrun.checkpoint.manifest import GLOBAL_KEYS, TRAIN_STATE, Manifest, rank_shard_name
 from longrun.checkpoint.restore import Restored, restore_latest
 from longrun.checkpoint.snapshot import HostStager, Snapshot
@@ -68,6 +69,9 @@ class Checkpointer:
         self.saves = self.skipped = 0
         # Recorded in every manifest (rank 0 writes it): read once, the file does not change.
         self._tokenizer = tokenizer_record(cfg) if rank == 0 else None
+        # Fixed when the attempt starts, not read at each commit: a rollback's fence (written
+        # by the controller between attempts) must also catch this attempt's late commits.
+        self.lineage = current_lineage(self.fs, self.root) if rank == 0 else 0
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, trainer) -> float | None:
@@ -89,7 +93,7 @@ class Checkpointer:
             manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
                                 model=self.cfg.model.model_dump(mode="json"),
                                 config_fingerprint=self.cfg.fingerprint(), layout=self.cfg.dims.degrees,
-                                tokenizer=self._tokenizer)
+                                tokenizer=self._tokenizer, lineage=self.lineage)
         self.writer.submit(SaveJob(trainer.step, snapshot, manifest))
         self.last_saved_step = trainer.step
         self._pending = snapshot

@@ -163,8 +163,9 @@ class StoredItem:
 
 def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
     """DCP's metadata and the records by their index, from the manifest's files. Raises
-    ValueError when the pieces of a tensor do not cover it exactly once (a missing or doubled
-    piece), or when two files disagree about a tensor's shape or dtype."""
+    ValueError when the pieces of a tensor do not cover it exactly once (a missing, doubled or
+    overlapping piece: `coverage_problem`), or when two files disagree about a tensor's shape
+    or dtype."""
     tensors: dict[str, TensorStorageMetadata] = {}
     planner_data: dict[str, tuple] = {}
     records: dict[MetadataIndex, StoredItem] = {}
@@ -183,13 +184,49 @@ def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex,
             planner_data[fqn] = tuple(item["path"])
             records[index] = StoredItem(name, item["offset"], item["length"], item["sha256"])
     for fqn, md in tensors.items():
-        covered = sum(math.prod(c.sizes) for c in md.chunks)
-        if covered != math.prod(md.size):
-            raise ValueError(f"the pieces of {fqn} hold {covered} of its {math.prod(md.size)} values; "
-                             "a piece is missing")
+        problem = coverage_problem(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+        if problem is not None:
+            raise ValueError(f"the pieces of {fqn} {problem}")
     storage = {index: _StorageInfo(r.relative_path, r.offset, r.length) for index, r in records.items()}
     return Metadata(tensors, planner_data=planner_data, storage_data=storage,
                     version=DCP_VERSION), records
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a tensor of some shape
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(max(ao, bo) < min(ao + asz, bo + bsz)
+               for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True))
+
+
+def coverage_problem(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
+    """Why `boxes` do not cover a tensor of `shape` exactly once (a phrase: "overlap at ...",
+    "leave N of its M values uncovered", "reach outside ..."), or None when they do. Volume
+    alone is not enough: one doubled and one missing piece hold as many values as the tensor.
+    Boxes inside the tensor that are pairwise disjoint and as large together as the tensor
+    cover it exactly. Disjointness by a sweep along the first dimension: a box is compared only
+    with the boxes whose rows it shares (the pieces of one row of a sharded matrix)."""
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or \
+                any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
+            return f"reach outside the tensor's {tuple(shape)}: a piece at {tuple(offsets)} of {tuple(sizes)}"
+    solid = sorted((b for b in boxes if all(n > 0 for n in b[1])), key=lambda b: b[0])
+    if shape:
+        active: list[Box] = []  # boxes whose rows reach the current one
+        for box in solid:
+            active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
+            for other in active:
+                if _overlap(other, box):
+                    return (f"overlap: the piece at {other[0]} of {other[1]} and the one at {box[0]} "
+                            f"of {box[1]} share values")
+            active.append(box)
+    elif len(solid) > 1:
+        return "overlap: a scalar stored more than once"
+    covered, total = sum(math.prod(b[1]) for b in solid), math.prod(shape)
+    if covered != total:
+        return f"leave {total - covered} of its {total} values uncovered (a piece is missing)"
+    return None
 
 
 def metadata_bytes(files: dict[str, ShardInfo]) -> bytes:

@@ -12,6 +12,7 @@ manifest, so a crash at any moment leaves either the previous checkpoint or the 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 import fsspec
 
@@ -72,16 +73,25 @@ def write_latest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> None:
 
 
 def apply_retention(fs: fsspec.AbstractFileSystem, root: str, keep_last: int,
-                    committed: int | None = None) -> list[str]:
+                    committed: int | None = None, fenced: Collection[int] = ()) -> list[str]:
     """Delete committed checkpoints beyond the newest `keep_last`, and abandoned ones: `.tmp`
-    directories, and step directories without a manifest (a commit that died half-way on a
-    store without atomic rename). Only committed directories count towards `keep_last`; the
-    newest committed one is never deleted. With `committed` (the step just committed), only
+    directories, step directories without a manifest (a commit that died half-way on a store
+    without atomic rename) and the `fenced` steps (a rollback's abandoned path, `lineage.py`).
+    Only committed, unfenced directories count towards `keep_last`. With `committed` (the step
+    just committed) that one is never deleted, whatever its number: leftovers of an abandoned
+    path may carry higher step numbers and must not push the newest commit out; and only
     abandoned directories of earlier steps go: a later one may be a save other ranks are
     still writing. Returns what was deleted."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}")
-    doomed = [f"{root}/{step_dir_name(s)}" for s in committed_steps(fs, root)[:-keep_last]]
+    steps = committed_steps(fs, root)
+    live = [s for s in steps if s not in fenced]
+    if committed in live:
+        others = [s for s in live if s != committed]
+        keep = {committed, *others[max(len(others) - (keep_last - 1), 0):]}
+    else:
+        keep = set(live[-keep_last:])
+    doomed = [f"{root}/{step_dir_name(s)}" for s in steps if s not in keep]
     for name in _names(fs, root):
         tmp = _TMP_DIR.match(name)
         step = int(tmp.group(1)) if tmp else parse_step(name)

@@ -12,8 +12,9 @@ A step directory holds:
 
 The manifest is JSON, written last: every file with its SHA-256 and size (and, for a DCP file,
 each record's place and SHA-256, so a reader that reads only some byte ranges still verifies
-what it reads), the step, the config fingerprint, the model the tensors fit and the parallel
-layout they were written at (for information: any layout restores them).
+what it reads), the step, the config fingerprint, the model the tensors fit, the parallel
+layout they were written at (for information: any layout restores them) and the lineage
+(which loss-spike rollbacks it came after, `lineage.py`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class Manifest:
     # The tokenizer the model was trained with (config/vocabulary.py `tokenizer_record`: its
     # path or 'byte', and sha256), so an export can ship it; None in older checkpoints.
     tokenizer: dict[str, Any] | None = None
+    # How many loss-spike rollbacks had fenced checkpoints off when the attempt that wrote it
+    # started (`lineage.py`): a fence abandons the checkpoints at or after its step written at
+    # an older lineage. 0 in checkpoints from before fences existed.
+    lineage: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()

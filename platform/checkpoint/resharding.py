@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from longrun.checkpoint.dcp_format import StoredItem
+from longrun.checkpoint.dcp_format import StoredItem, coverage_problem
 
 
 class CorruptShardError(ValueError):
@@ -66,7 +66,15 @@ def plan_reads(metadata: Metadata, wanted: list[Wanted]) -> list[ReadItem]:
         if w.buffer.numel() == 0:
             continue
         chunk = ChunkStorageMetadata(torch.Size(w.offsets), w.buffer.shape)
-        reads += create_read_items_for_chunk_list(w.fqn, md, [chunk])
+        mine = create_read_items_for_chunk_list(w.fqn, md, [chunk])
+        # Every value of the target exactly once: a checkpoint with a gap (or a piece placed at a
+        # wrong offset) would otherwise leave the live tensor's old values there, silently.
+        problem = coverage_problem(tuple(w.buffer.shape),
+                                   [(tuple(r.dest_offsets), tuple(r.lengths)) for r in mine])
+        if problem is not None:
+            raise PieceMismatchError(f"the saved pieces of {w.fqn} read into this rank's piece at "
+                                     f"{tuple(w.offsets)} of {tuple(w.buffer.shape)} {problem}")
+        reads += mine
     return reads
 
 

@@ -9,7 +9,8 @@ byte ranges its pieces need at this layout (`resharding.py`), and broadcast over
 Every byte read is checked against the manifest's SHA-256 before `torch.load(weights_only=True)`
 sees it. If any rank finds the newest candidate unreadable or corrupt, all ranks agree (one
 all-reduce) and fall back to the previous one with a warning; nothing live changes until they
-agree. A checkpoint of another model is refused outright: an older one would not help.
+agree. A checkpoint of another model is refused outright: an older one would not help. A
+checkpoint a loss-spike rollback fenced off (`lineage.py`) is passed over like an unusable one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from longrun.checkpoint.dcp_format import DCP_KEYS, fqn_of, pieces_of, table_of, tensor_leaves
 from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir_name
+from longrun.checkpoint.lineage import Fence, FenceError, abandoned_reason, read_fences
 from longrun.checkpoint.manifest import (
     GLOBAL_KEYS,
     TRAIN_STATE,
@@ -131,10 +133,16 @@ def broadcast_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup | N
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         for bucket in _buckets([t for t in tensors if t.dtype == dtype]):
-            flat = torch.cat([t.reshape(-1) for t in bucket]).to(device)
+            flat = flat_on(bucket, device)
             dist.broadcast(flat, src=src, group=group)
             for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
                 t.copy_(part.view(t.shape))
+
+
+def flat_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`tensors` flattened into one new buffer on `device` (the communication device), each
+    moved there first: one `torch.cat` over tensors of several devices fails."""
+    return torch.cat([t.reshape(-1).to(device) for t in tensors])
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -175,9 +183,33 @@ class _Candidate:
     bytes_read: int
 
 
+def extra_buffers(train_state: dict[str, Any], metadata, mine: list[Wanted]) -> dict[str, Wanted]:
+    """A new whole buffer for each tensor of the checkpoint's structure that no live piece
+    (`mine`) holds, on the live pieces' device: the replica broadcast concatenates them with
+    the live pieces, so a host buffer beside CUDA pieces would fail there (and the optimizer
+    would get host state for device weights). KeyError(name) for a tensor no piece was
+    written of."""
+    held = {w.fqn for w in mine}
+    device = mine[0].buffer.device if mine else torch.device("cpu")
+    extra = {}
+    for path, _ in tensor_leaves(train_state):
+        name = fqn_of(path)
+        md = metadata.state_dict_metadata.get(name)
+        if md is None:
+            raise KeyError(name)
+        if name not in held:
+            extra[name] = Wanted(name, torch.empty(md.size, dtype=md.properties.dtype, device=device),
+                                 (0,) * len(md.size), tuple(md.size))
+    return extra
+
+
 def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template: dict[str, Any],
-                    rank: int, world_size: int, reads_tensors: bool) -> _Candidate:
+                    rank: int, world_size: int, reads_tensors: bool,
+                    fences: list[Fence] | None = None) -> _Candidate:
     manifest = read_manifest(fs, root, step)
+    abandoned = abandoned_reason(manifest, fences or [])
+    if abandoned is not None:  # the spiked path of a rollback: never restored, however whole
+        raise ManifestError(f"{root}/{step_dir_name(step)} was {abandoned}")
     mismatch = manifest.incompatibility(model)
     if mismatch:
         raise CheckpointMismatchError(
@@ -195,16 +227,10 @@ def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template
     # The live pieces are the targets: they change only once every rank has verified its part.
     mine = [Wanted(p.fqn, p.local, p.offsets, p.global_shape)
             for p in pieces_of(template, rank=rank, replica_leader=False)]
-    held = {w.fqn for w in mine}
-    extra = {}
-    for path, _ in tensor_leaves(train_state):
-        name = fqn_of(path)
-        md = metadata.state_dict_metadata.get(name)
-        if md is None:  # the structure names a tensor no piece holds: a broken checkpoint
-            raise ManifestError(f"{root}/{step_dir_name(step)}: no piece of {name} was written")
-        if name not in held:
-            extra[name] = Wanted(name, torch.empty(md.size, dtype=md.properties.dtype),
-                                 (0,) * len(md.size), tuple(md.size))
+    try:
+        extra = extra_buffers(train_state, metadata, mine)
+    except KeyError as exc:  # the structure names a tensor no piece holds: a broken checkpoint
+        raise ManifestError(f"{root}/{step_dir_name(step)}: no piece of {exc.args[0]} was written") from None
     wanted = mine + list(extra.values())
     try:
         reads = plan_reads(metadata, wanted)  # on every rank: a mismatch is found everywhere
@@ -234,6 +260,10 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
     answers); without it, an all-reduce over `world_group`."""
     skipped: list[tuple[int, str]] = []
     steps = committed_steps(fs, root)
+    try:
+        fences = read_fences(fs, root)
+    except FenceError as exc:  # which checkpoints hold spiked weights is unknown: restore none
+        raise CheckpointMismatchError(str(exc)) from None
     if before_step is not None:
         steps = [s for s in steps if s < before_step]
     live: dict[str, Any] | None = None
@@ -243,7 +273,8 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
             live = template()
         try:
             found = _read_candidate(fs, root, step, model=model, template=live, rank=rank,
-                                    world_size=world_size, reads_tensors=replica_rank == 0)
+                                    world_size=world_size, reads_tensors=replica_rank == 0,
+                                    fences=fences)
         except CheckpointMismatchError:
             raise  # every rank reads the same manifest and template shape, so every rank raises
         except (ManifestError, CorruptShardError) as exc:

@@ -5,7 +5,9 @@ piece of every weight and optimizer moment. A memory snapshot (`memory.py`) keep
 rank's pieces for the same rank of the same layout: `localize` swaps every DTensor for its
 local tensor and records where that piece sits in the whole; `globalize` wraps each piece back
 onto the live DTensor it belongs to, after checking that it is the piece this rank holds now.
-(Checkpoints on storage restore at any layout: `dcp_format.py`, `resharding.py`.)
+(Checkpoints on storage restore at any layout: `dcp_format.py`, `resharding.py`; a snapshot
+reaches another layout as one: `snapshot_pieces` gives the pieces with their places in the whole,
+which `memory_commit.py` writes as a committed checkpoint.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from longrun.checkpoint.dcp_format import tensor_leaves
 from longrun.checkpoint.restore import CheckpointMismatchError
 from longrun.checkpoint.snapshot import map_tree, tensors_of
 
@@ -57,3 +60,21 @@ def globalize(loaded: Any, live: Any) -> Any:
                                   run_check=False, shape=ref.shape, stride=ref.stride())
 
     return map_tree(loaded, wrap)
+
+
+def snapshot_pieces(state: Any, where: dict[str, dict[str, Any]]) -> list[tuple[tuple, Tensor, tuple, tuple]]:
+    """The tensor pieces of a snapshot's model and optimizer (`state` as `localize` left it,
+    `where` what it recorded): (path in the state, local tensor, its offsets in the whole
+    tensor, the whole tensor's shape); a tensor that was no DTensor is whole."""
+    pieces = []
+    for path, t in tensor_leaves(state):
+        geometry = where.get("/" + "/".join(str(p) for p in path))
+        if geometry is None:
+            pieces.append((path, t, (0,) * t.dim(), tuple(t.shape)))
+        else:
+            if list(t.shape) != list(geometry["local_shape"]):
+                raise CheckpointMismatchError(
+                    f"the snapshot's piece of {'.'.join(map(str, path))} has shape {tuple(t.shape)}, "
+                    f"its record says {tuple(geometry['local_shape'])}")
+            pieces.append((path, t, tuple(geometry["offset"]), tuple(geometry["global_shape"])))
+    return pieces

@@ -23,19 +23,25 @@ from torch import Tensor
 
 
 @dataclass
-class Snapshot:
-    """A host copy of a state tree. `tree` mirrors the source with tensors replaced by host
-    tensors; `nbytes` is the bytes copied."""
+class HostCopy:
+    """A copy into host memory that may still be running on a CUDA stream (`_event` marks its end)."""
 
-    tree: Any
-    nbytes: int
-    _event: torch.cuda.Event | None = field(default=None, repr=False)
+    _event: torch.cuda.Event | None = field(default=None, repr=False, kw_only=True)
 
     def wait(self) -> None:
         """Block until the copy is complete (immediately true on the CPU)."""
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+
+
+@dataclass
+class Snapshot(HostCopy):
+    """A host copy of a state tree. `tree` mirrors the source with tensors replaced by host
+    tensors; `nbytes` is the bytes copied."""
+
+    tree: Any
+    nbytes: int
 
     @property
     def ready(self) -> bool:
@@ -120,4 +126,4 @@ class HostStager:
             if on_gpu:
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        return Snapshot(tree, nbytes, event)
+        return Snapshot(tree, nbytes, _event=event)

@@ -7,7 +7,8 @@ checksums to the commit ledger (for a DCP data file, with each record's place an
 reported, write DCP's `.metadata` from the reports, then the manifest, make the directory a
 checkpoint (a local disk: fsync, then one atomic rename of the directory; an object store,
 where a "rename" is a copy: move the shards, then write the manifest last), point `latest` at
-it, and apply retention.
+it, and apply retention (the newest commit is always kept; a rollback's fenced checkpoints go,
+`lineage.py`).
 
 A thread, not a process: the snapshot already lives in host memory that a fork must never
 copy (pinned buffers), torch.save spends most of its time in writes that release the GIL, and
@@ -19,6 +20,7 @@ will never report) and to the `on_done` callback (metrics).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -41,6 +43,7 @@ from longrun.checkpoint.layout import (
     tmp_dir_name,
     write_latest,
 )
+from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.checkpoint.manifest import HashingWriter, Manifest, ShardInfo
 from longrun.checkpoint.snapshot import Snapshot
 
@@ -90,6 +93,7 @@ class CheckpointWriter:
         self._busy = False
         self._closed = False
         self._failure: BaseException | None = None
+        self._fail_next: str | None = None  # an injected fault (fail_save): the next save fails
         self.last_result: SaveResult | None = None
         self._thread = threading.Thread(target=self._run, name=f"longrun-ckpt-writer-{rank}",
                                         daemon=True)
@@ -156,6 +160,11 @@ class CheckpointWriter:
                 except Exception:  # a metrics hook must not kill the writer
                     log.exception("checkpoint on_done hook failed")
 
+    def fail_next_save(self, why: str) -> None:
+        """Make the next save fail as on a full disk (the `fail_save` fault, health/faults.py)."""
+        with self._lock:
+            self._fail_next = why
+
     def _save(self, job: SaveJob) -> SaveResult:
         start = time.perf_counter()
         tmp = f"{self.root}/{tmp_dir_name(job.step)}"
@@ -163,6 +172,10 @@ class CheckpointWriter:
         write_s = 0.0
         try:
             self.fs.makedirs(tmp, exist_ok=True)
+            with self._lock:
+                injected, self._fail_next = self._fail_next, None
+            if injected is not None:
+                raise OSError(errno.ENOSPC, f"No space left on device ({injected})")
             files: dict[str, ShardInfo] = {}
             job.snapshot.wait()  # the device-to-host copy, if it is still running
             for name, tree in job.snapshot.tree.items():
@@ -252,6 +265,11 @@ class CheckpointWriter:
             self.fs.pipe_file(f"{final}/{MANIFEST}", job.manifest.to_json())
             self.fs.rm(tmp, recursive=True)
         write_latest(self.fs, self.root, job.step)
-        removed = apply_retention(self.fs, self.root, self.keep_last, committed=job.step)
+        try:
+            fenced = fenced_steps(self.fs, self.root)
+        except FenceError as exc:  # which ones are abandoned is unknown: delete nothing
+            log.warning("checkpoint retention skipped: %s", exc)
+            return
+        removed = apply_retention(self.fs, self.root, self.keep_last, committed=job.step, fenced=fenced)
         if removed:
             log.info("checkpoint retention removed %s", ", ".join(p.rsplit("/", 1)[-1] for p in removed))

@@ -39,21 +39,22 @@ def cmd_run(args) -> int:
                   f"{cfg.dims.layout_name}, {cfg.training.steps} steps; resolved config in "
                   f"{run_dir / 'config.yaml'}")
     summary = _run_with_services(cfg)
+    goodput = f"; {escape(summary['goodput_line'])}" if summary.get("goodput_line") else ""
     if summary.get("stopped"):
-        console.print(f"[yellow]stopped[/]: {escape(summary['reason'])}", highlight=False)
+        console.print(f"[yellow]stopped[/]: {escape(summary['reason'])}{goodput}", highlight=False)
         return 130
     if summary.get("preempted"):
         from longrun.controller.driver import EXIT_PREEMPTED
 
-        console.print(f"[yellow]preempted[/]: {escape(summary['reason'])}; run the same command to resume",
-                      highlight=False)
+        console.print(f"[yellow]preempted[/]: {escape(summary['reason'])}; run the same command to resume"
+                      f"{goodput}", highlight=False)
         return EXIT_PREEMPTED
     done = f"[green]done[/]: {summary['step']} steps"
     if summary.get("resumed_from"):
         done += f" (resumed from step {summary['resumed_from']})"
     if summary.get("loss") is not None:
         done += f", final loss {summary['loss']:.4f}"
-    console.print(done)
+    console.print(done + goodput, highlight=False)
     return 0
 
 

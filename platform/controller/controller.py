@@ -53,10 +53,11 @@ from longrun.controller.elastic import Sizing, layout_key
 from longrun.controller.job_state import JobRecordStore, job_status
 from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementImpossible, PlacementTimeout
-from longrun.controller.precheck import checkpoint_problem
+from longrun.controller.precheck import checkpoint_problem, fence_rollback
 from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.watch import Watcher
 from longrun.controller.workers import Launcher, LaunchFailed, RayLauncher, WorkerGroup
+from longrun.goodput.tracker import GoodputTracker
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
 from longrun.health.scaling import Resize
 from longrun.observability.controller_metrics import ControllerMetrics
@@ -106,6 +107,7 @@ class Controller:
         self.sizing = Sizing.of(cfg)
         self.layout = cfg
         self._resize_reason: str | None = None  # why the next layout change happens
+        self._waiting_for_nodes = False  # this placement has reported its wait (once per wait)
         # Operators' view: /metrics and /sd (the workers' scrape targets follow restarts).
         self.metrics = ControllerMetrics(cfg.job.name)
         self._address: str | None = None
@@ -113,11 +115,15 @@ class Controller:
             obs = cfg.observability
             port = self.metrics.serve(obs.metrics_host, obs.controller_port, targets=self.targets)
             self._address = advertised_address(obs.metrics_host, port)
+        # Where the wall time goes, from the workers' step ledger (goodput/); a job-wide summary.
+        self.goodput = GoodputTracker(cfg.job.name, self.client, self.watch_client, wall=wall,
+                                      window_steps=max(4096, 2 * cfg.checkpoint.interval_steps))
         self.listeners = standard_listeners(cfg, self.record, self.on_event, self.metrics, self.targets,
                                             JobRecordStore(self.watch_client, cfg.job.name),
-                                            self.launch.warm_spares)
+                                            self.launch.warm_spares, self.goodput)
         self.watcher = Watcher(cfg, self.watch_client, self.listeners,
-                               poll_s=poll_s or cfg.health.heartbeat_interval_s, clock=clock, wall=wall)
+                               poll_s=poll_s or cfg.health.heartbeat_interval_s, clock=clock, wall=wall,
+                               ledger=self.goodput)
         if self._address:
             self.on_event(f"metrics: http://{self._address}/metrics, service discovery "
                           f"http://{self._address}/sd")
@@ -206,13 +212,13 @@ class Controller:
         except PlacementImpossible as exc:
             self._fail(str(exc))
             return
-        except (PlacementTimeout, LaunchFailed) as exc:
-            kind = getattr(exc, "kind", "exception")
-            self._handle(self._decide([Incident(kind=kind, rank=None, node=None, step=None,
+        except LaunchFailed as exc:
+            self._handle(self._decide([Incident(kind=exc.kind, rank=None, node=None, step=None,
                                                 at=self.wall(), detail=str(exc))], {}))
             return
         if layout is None:
             return  # short of nodes and waiting for them: placing again at the next step
+        self._waiting_for_nodes = False
         if layout_key(layout) != layout_key(self.layout) and not self._resize(layout):
             return
         self.record.update(nodes=list(self.attempt.group.node_ids), size=self._size_text())
@@ -301,34 +307,55 @@ class Controller:
 
     def _place(self) -> JobConfig | None:
         """Place this attempt at the configured size, always tried first (so a restart grows
-        back when it can). An elastic job short of nodes asks the scaling policy: wait (None:
-        placing again at the next step), continue on fewer (the smaller config), or give up
-        (PlacementImpossible, as a job that is not elastic does at once)."""
+        back when it can). Busy is not gone: nodes that exist but whose resources another job
+        holds (PlacementTimeout) are waited for (None: placing again at the next step), and a
+        wait never spends the restart budget. An elastic job short of nodes, missing or busy,
+        asks the scaling policy: wait, continue on the nodes that can be placed now (the
+        smaller config), or give up (PlacementImpossible, only when too few nodes exist at all,
+        as a job that is not elastic does at once)."""
+        started = self.clock()
         try:
             self.attempt.group = self._launch(self.cfg)
+        except PlacementTimeout as exc:
+            if self.sizing is None:
+                self._report_wait(f"{exc}; waiting for them to free up (a placement wait spends no "
+                                  "restart budget; `longrun stop` ends it)", available=exc.available)
+                return None  # the placement's own timeout paced this try
+            return self._place_smaller(exc, started)
         except PlacementImpossible as exc:
             if self.sizing is None:
                 raise
-            first = self.sizing.short_since is None
-            decision, smaller = self.sizing.short(exc.available, self.clock())
-            if decision.action is Resize.GIVE_UP:
-                raise PlacementImpossible(f"{exc}; elastic continuation: {decision.reason}",
-                                          exc.available) from exc
-            if decision.action is Resize.WAIT:
-                if first:
-                    self._event("waiting_for_nodes", decision.reason, available=exc.available)
-                self.sleep(BACKOFF_SLICE_S)  # pacing the retries; a stop request is heard next step
-                return None
-            try:
-                self.attempt.group = self._launch(smaller)
-            except PlacementImpossible as again:  # fewer still since a moment ago: decide again
-                log.warning("placing %d node(s) failed too (%s); deciding again", decision.nodes, again)
-                return None
-            self._resize_reason = decision.reason
-            return smaller
+            return self._place_smaller(exc, started)
         if self.sizing is not None:
             self.sizing.placed_in_full()
         return self.cfg
+
+    def _place_smaller(self, short: PlacementImpossible | PlacementTimeout,
+                       started: float) -> JobConfig | None:
+        """The configured size could not be placed (`short` says how many nodes can be now and
+        how many exist): the scaling policy's answer, carried out."""
+        decision, smaller = self.sizing.short(short.available, self.clock(), existing=short.existing,
+                                              since=started)
+        if decision.action is Resize.GIVE_UP:
+            raise PlacementImpossible(f"{short}; elastic continuation: {decision.reason}",
+                                      short.available, short.existing) from short
+        if decision.action is Resize.WAIT:
+            self._report_wait(decision.reason, available=short.available)
+            self.sleep(BACKOFF_SLICE_S)  # pacing the retries; a stop request is heard next step
+            return None
+        try:
+            self.attempt.group = self._launch(smaller)
+        except (PlacementImpossible, PlacementTimeout) as again:  # fewer since a moment ago
+            log.warning("placing %d node(s) failed too (%s); deciding again", decision.nodes, again)
+            return None
+        self._resize_reason = decision.reason
+        return smaller
+
+    def _report_wait(self, reason: str, **extra: Any) -> None:
+        """One event per wait for nodes (the tries that follow it are not news)."""
+        if not self._waiting_for_nodes:
+            self._waiting_for_nodes = True
+            self._event("waiting_for_nodes", reason, **extra)
 
     def _resize(self, layout: JobConfig) -> bool:
         """The attempt just placed runs at another layout than the last one (a shrink, or a grow
@@ -388,16 +415,44 @@ class Controller:
     # -- the pieces ---------------------------------------------------------------------------
     def _preempt(self) -> None:
         """Act on a stop request: a running attempt saves at its next agreed step boundary
-        (PREEMPTING); anything else has trained nothing since the newest checkpoint, so it stops."""
+        (PREEMPTING); between attempts nothing trains, but the memory snapshots may hold steps
+        newer than the newest checkpoint: they are committed before the keepers go, then it stops."""
         reason = f"asked to stop: {self.stop_request}"
         if self.machine.state is not JobState.RUNNING:
-            self._preempted(f"{reason}; nothing trained since the newest committed checkpoint, "
-                            "which running the job again resumes from")
+            self._preempted(f"{reason}; {self._keep_snapshots()}")
             return
         preemption.request(self.watch_client, self.cfg.job.name, self.attempt.number)
         self._preempt_deadline = self.clock() + self.cfg.recovery.preemption_grace_s
         self._move(JobState.PREEMPTING, f"{reason}; saving a checkpoint at the next step boundary "
                    f"(within {self.cfg.recovery.preemption_grace_s:g} s)")
+
+    def _keep_snapshots(self) -> str:
+        """Commit what the snapshot keepers hold beyond the newest checkpoint (the release lets
+        them go); says what running the job again resumes from."""
+        persist = getattr(self.launch, "persist_snapshots", None)  # launchers without keepers lack it
+        if persist is None:
+            return ("nothing trained since the newest committed checkpoint, which running the job "
+                    "again resumes from")
+        before = self.attempt.resume_before_step
+        if self.machine.state is JobState.RECOVERING:  # the next attempt's, which was not made yet
+            decision = self.machine.history[-1].decision
+            before = decision.resume_before_step if decision is not None else None
+        try:
+            step, stored = persist(before_step=before, timeout_s=self.cfg.recovery.preemption_grace_s)
+        except Exception as exc:  # the keepers gone or too slow: say what is lost
+            log.warning("memory snapshots not committed: %s", exc)
+            return (f"the memory snapshots newer than the newest committed checkpoint could not be saved "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); running the job again resumes from that "
+                    "checkpoint, and the steps after it are trained again")
+        if step is None:
+            at = f" (step {stored})" if stored else ""
+            return (f"no memory snapshot is newer than the newest committed checkpoint{at}, which running "
+                    "the job again resumes from")
+        self._event("snapshot_committed", f"the memory snapshot of step {step} was committed as a "
+                    f"checkpoint before the keepers were let go (the newest before was step {stored})",
+                    step=step, previous=stored)
+        return (f"the memory snapshot of step {step} (newer than the newest checkpoint, step {stored}) is "
+                "committed as a checkpoint, which running the job again resumes from")
 
     def _forced(self) -> bool:
         """Whether an operator asked to stop without saving (`longrun stop --force`)."""
@@ -418,7 +473,7 @@ class Controller:
         self._move(JobState.PREEMPTED, reason)
         self.summary = (summary or {}) | {"preempted": True, "reason": reason,
                                           "attempt": self.attempt.number,
-                                          "restarts": len(self.record.restarts())}
+                                          "restarts": self.record.restart_count()}
 
     def _resume_point(self) -> None:
         """Pick the attempt number. Attempt ids are never reused under one job name (stale keys
@@ -426,6 +481,9 @@ class Controller:
         is continued: same history, same evictions, the next attempt, and what its attempts
         left in Redis is deleted. A finished job's name starts a new run with a clean history."""
         previous = self.record.read()
+        # Goodput continues after PREEMPTED (a SIGTERM and a rerun are one job) or a lost
+        # controller, whose last attempt's ledger it reads before the keys below are deleted.
+        self.goodput.resume(previous.state if previous else None, previous.attempt if previous else None)
         if previous is None:
             return
         self.attempt = Attempt(previous.attempt + 1)
@@ -439,7 +497,8 @@ class Controller:
     def _decide(self, incidents: list[Incident], failed_nodes: dict[str, str]) -> Decision:
         history = [RestartRecord.from_dict(r) for r in self.record.restarts()]
         return decide(incidents, history, self.cfg.recovery, now=self.wall(), failed_diagnostics=failed_nodes,
-                      spare_nodes=self.launch.spare_nodes(self.layout, self.record.evicted()))
+                      spare_nodes=self.launch.spare_nodes(self.layout, self.record.evicted()),
+                      restarts_total=self.record.restart_count())
 
     def _handle(self, decision: Decision) -> None:
         """Carry out a decision that ends the attempt: restart (maybe evicting) or give up."""
@@ -451,9 +510,12 @@ class Controller:
         for node in decision.evict_nodes:
             self.record.evict(node, decision.reason)
             self._event("evicted", f"node {node[:12]} will not be used again", node=node)
-        self.record.add_restart(RestartRecord.of(decision, at=self.wall()).to_dict())
+        self.record.add_restart(RestartRecord.of(decision, at=self.wall()).to_dict(),
+                                window_s=self.cfg.recovery.restart_window_s)
         if decision.skip_steps is not None:  # kept for every later attempt, in the job record
             self.record.add_skip(*decision.skip_steps)
+        if decision.resume_before_step is not None:  # the spiked path's checkpoints, for good
+            fence_rollback(self.cfg, decision.resume_before_step, decision.reason)
         self._move(JobState.RECOVERING, decision.reason, decision)
 
     def _succeed(self) -> None:
@@ -461,7 +523,7 @@ class Controller:
         self.record.update(step=summary["step"], loss=summary["loss"])
         self._end_attempt()
         self._move(JobState.SUCCEEDED, f"finished {summary['step']} steps in attempt {self.attempt.number}")
-        self.summary = summary | {"attempt": self.attempt.number, "restarts": len(self.record.restarts()),
+        self.summary = summary | {"attempt": self.attempt.number, "restarts": self.record.restart_count(),
                                   "evicted": sorted(self.record.evicted()),
                                   "nodes": self.layout.cluster.nodes}
 
@@ -471,12 +533,14 @@ class Controller:
         self._move(JobState.FAILED, reason, decision)
 
     def _end_attempt(self) -> None:
-        """Stop the attempt's workers, then delete its Redis keys: its rendezvous store,
-        heartbeats, self-check stores and commit ledger are never read again."""
+        """Stop the attempt's workers, let the listeners read what they left (the step ledger),
+        then delete its Redis keys: its rendezvous store, heartbeats, self-check stores, commit
+        and step ledgers are never read again."""
         group, self.attempt.group = self.attempt.group, None
         if group is None:
             return
         group.stop()
+        self.listeners.ending(self.attempt)
         try:
             keys.delete_attempt_keys(self.client, self.cfg.job.name, self.attempt.number)
         except redis.RedisError as exc:  # tidying up must not hide why the attempt ended

@@ -28,13 +28,17 @@ EXIT_PREEMPTED = 75
 def run_job(cfg: JobConfig, redis_url: str, *, on_event: Callable[[str], None] | None = None,
             poll_s: float | None = None) -> dict[str, Any]:
     """Run the job on the connected Ray cluster to its end; the summary of rank 0 (with
-    "preempted": True when it stopped on request, its checkpoint saved). Raises UnsupportedJob
-    before anything is placed when this version cannot run the config, and JobFailed (with the
-    reason) when the job ends FAILED."""
+    "preempted": True when it stopped on request, its checkpoint saved), with the job's
+    goodput ("goodput": the ratio; "goodput_line": it and its top three losses, as `longrun
+    status` shows them). Raises UnsupportedJob before anything is placed when this version
+    cannot run the config, and JobFailed (with the reason) when the job ends FAILED (the
+    controller's goodput line comes just before)."""
     check_runnable(cfg)
     controller = Controller(cfg, redis_url, on_event=on_event, poll_s=poll_s)
     with _stop_on_signals(controller, on_event or (lambda line: None)):
-        return controller.run()
+        summary = controller.run()
+    goodput = controller.goodput.summary()
+    return summary | {"goodput": round(goodput.goodput, 4), "goodput_line": goodput.describe()}
 
 
 @contextlib.contextmanager

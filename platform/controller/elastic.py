@@ -10,6 +10,7 @@ any config: a size another check refuses (a CP budget, a head count) is no size 
 
     sizing = Sizing.of(cfg)                   # None when recovery.min_nodes is unset
     decision, smaller = sizing.short(available=2, now=clock())  # WAIT, SHRINK (+ its config), GIVE_UP
+    sizing.short(available=1, now=clock(), existing=3)          # WAIT: two nodes are busy, not gone
     sizing.running(current=2, available=3)    # GROW once the configured size fits again
 """
 
@@ -82,14 +83,17 @@ class Sizing:
     def of(cls, cfg: JobConfig) -> Sizing | None:
         return cls(cfg) if cfg.recovery.min_nodes is not None else None
 
-    def short(self, available: int | None, now: float) -> tuple[SizeDecision, JobConfig | None]:
-        """The configured size could not be placed (now, on the monotonic clock): the policy's
-        decision, with the config to run when it is SHRINK. A size whose config is refused
-        is dropped and the policy asked again (it then picks a smaller one or gives up)."""
+    def short(self, available: int | None, now: float, *, existing: int | None = None,
+              since: float | None = None) -> tuple[SizeDecision, JobConfig | None]:
+        """The configured size could not be placed (now, on the monotonic clock; the try began
+        at `since`, so a placement that timed out counts its wait): `available` nodes can be
+        placed now, `existing` exist at all (busy ones included). The policy's decision, with
+        the config to run when it is SHRINK. A size whose config is refused is dropped and the
+        policy asked again (it then picks a smaller one or gives up)."""
         if self.short_since is None:
-            self.short_since = now
+            self.short_since = now if since is None else since
         while True:
-            decision = self.policy.short(available, now - self.short_since)
+            decision = self.policy.short(available, now - self.short_since, existing)
             if decision.action is not Resize.SHRINK:
                 return decision, None
             try:

@@ -17,6 +17,13 @@ from longrun import keys
 from longrun.controller.state import JobState, Transition
 
 MAX_EVENTS = 1000  # a week-long job restarts hundreds of times; keep the log bounded
+# The restart history keeps what the policy reads: the restarts within recovery.restart_window_s
+# (the storm rule, repeats on a node) and the newest few whatever their age (the last cause, a
+# loss spike seen again at the same step). The total, which the budget counts, is a number in
+# the record (RESTARTS_TOTAL), so a job that restarts for a month keeps a short list.
+RESTARTS_KEPT_MIN = 16
+RESTARTS_KEPT_MAX = 1000  # however long the window: a hard bound
+RESTARTS_TOTAL = "restarts_total"
 
 
 @dataclass(frozen=True)
@@ -79,11 +86,32 @@ class JobRecordStore:
             pipe.ltrim(self.events_key, -MAX_EVENTS, -1)
             pipe.execute()
 
-    def add_restart(self, record: dict[str, Any]) -> None:
-        self.client.rpush(self.restarts_key, json.dumps(record))
+    def add_restart(self, record: dict[str, Any], window_s: float | None = None) -> None:
+        """Count a restart and keep its record, with the ones before it still within `window_s`
+        seconds of it (and the newest RESTARTS_KEPT_MIN whatever their age); the list is
+        appended in time order, so what goes is a prefix."""
+        with self.client.pipeline() as pipe:
+            pipe.rpush(self.restarts_key, json.dumps(record))
+            pipe.ltrim(self.restarts_key, -RESTARTS_KEPT_MAX, -1)
+            pipe.hincrby(self.record_key, RESTARTS_TOTAL, 1)
+            pipe.execute()
+        if window_s is None:
+            return
+        kept = self.restarts()
+        stale = 0
+        while len(kept) - stale > RESTARTS_KEPT_MIN and record["at"] - kept[stale]["at"] >= window_s:
+            stale += 1
+        if stale:
+            self.client.ltrim(self.restarts_key, stale, -1)
 
     def restarts(self) -> list[dict[str, Any]]:
+        """The restarts kept (see add_restart), oldest first; `restart_count` is how many there were."""
         return [json.loads(item) for item in self.client.lrange(self.restarts_key, 0, -1)]
+
+    def restart_count(self) -> int:
+        """Every restart this job carried out (a record written before the count existed: its list)."""
+        total = self.client.hget(self.record_key, RESTARTS_TOTAL)
+        return int(total) if total is not None else self.client.llen(self.restarts_key)
 
     def add_skip(self, first: int, last: int) -> None:
         self.client.sadd(self.skips_key, f"{first}-{last}")
@@ -115,6 +143,7 @@ def job_status(client: redis.Redis, job: str, events: int = 10) -> dict[str, Any
     if record is None:
         return {"job": job, "state": None}
     return {"job": job, "state": str(record.state), "attempt": record.attempt, "step": record.step,
-            "fields": {k: v for k, v in record.fields.items() if k not in ("state", "attempt", "step")},
-            "evicted": store.evicted(), "restarts": len(store.restarts()),
+            "fields": {k: v for k, v in record.fields.items()
+                       if k not in ("state", "attempt", "step", RESTARTS_TOTAL)},
+            "evicted": store.evicted(), "restarts": store.restart_count(),
             "events": store.events(events)}

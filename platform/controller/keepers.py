@@ -9,15 +9,20 @@ the step it resumes from are dropped: they belong to a path the job abandoned.
 
 Snapshots are per rank of one layout: after a resize (an elastic job shrinking or growing,
 controller/elastic.py), rank r of the new world holds another piece of the state than rank r of
-the old one. So the keepers remember the layout they hold snapshots of (`Keepers.adopt`), forget
-everything when it changes, and no restore is ever planned across a layout change: a resized
-attempt restores from storage.
+the old one. So the keepers remember the layout they hold snapshots of (`Keepers.adopt`), and no
+restore from memory is ever planned across a layout change. Instead, before the layout changes,
+the old layout's newest complete snapshot, when newer than the newest committed checkpoint, is
+committed as a checkpoint (`Keepers.persist`: a short-lived actor reads every rank's snapshot
+from the keepers and writes it through the checkpoint writer, worker/snapshots.py), which the
+new layout restores by resharding like any checkpoint; then the keepers forget the old layout.
+A stop request between attempts does the same before the keepers go with the job.
 
 After a fault, `Keepers.plan` picks the newest step every rank has a snapshot of on a live
 keeper (only a step every rank finished counts) and lists, per rank, every keeper holding it;
 each worker tries them in turn, verifying (SHA-256), and all fall back to storage together only
 if some rank finds no good copy (checkpoint/memory.py, worker/snapshots.py). Keepers are the
-controller's actors: they go when it goes.
+controller's actors: they go when it goes, and a keeper on a node the job no longer uses goes
+once the attempt that might restore from it trains (`Keepers.prune`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from longrun.checkpoint.layout import committed_steps
+from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -46,7 +52,10 @@ class SnapshotKeeper:
     def __init__(self) -> None:
         self._held: dict[int, dict[int, tuple[bytes, str]]] = {}  # rank -> step -> (blob, digest)
 
-    def put(self, rank: int, step: int, blob: bytes, digest: str) -> None:
+    def put(self, rank: int, step: int, blob: Any, digest: str) -> None:
+        # A copy of its own, whatever arrived (a read-only view of the object store's copy,
+        # which goes once the sender drops it, or with a sender that dies).
+        blob = bytes(blob)
         steps = self._held.setdefault(rank, {})
         steps.pop(step, None)  # a step sent again (a replay) counts as the newest arrival
         steps[step] = (blob, digest)
@@ -71,6 +80,16 @@ class SnapshotKeeper:
         return sum(len(blob) for steps in self._held.values() for blob, _ in steps.values())
 
 
+class SnapshotCommitter:
+    """Plain class; `Keepers.persist` makes it a short-lived Ray actor. It runs in a process of
+    its own because committing reads and writes tensors (torch): the controller never does."""
+
+    def commit(self, config: dict[str, Any], restore: dict[str, Any]) -> int:
+        from longrun.worker.snapshots import commit_from_keepers  # torch: in the actor's process only
+
+        return commit_from_keepers(config, restore)
+
+
 @dataclass(frozen=True)
 class MemoryRestore:
     step: int
@@ -82,14 +101,16 @@ class MemoryRestore:
 
 def newest_committed_step(cfg: JobConfig, before_step: int | None = None) -> int:
     """The newest committed checkpoint's step under cfg.checkpoint_dir (0: none), below
-    `before_step` if given (what a storage restore would take): a memory snapshot is used only
-    when it is newer."""
+    `before_step` if given and not fenced off by a rollback (what a storage restore would take):
+    a memory snapshot is used only when it is newer."""
     fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    root = root.rstrip("/")
     try:
-        steps = committed_steps(fs, root.rstrip("/"))
-    except OSError:
+        steps = committed_steps(fs, root)
+        fenced = fenced_steps(fs, root)  # a rollback's abandoned path is never resumed from
+    except (OSError, FenceError):
         return 0
-    steps = [s for s in steps if before_step is None or s < before_step]
+    steps = [s for s in steps if s not in fenced and (before_step is None or s < before_step)]
     return steps[-1] if steps else 0
 
 
@@ -111,17 +132,47 @@ class Keepers:
         self.job = job
         self._actors: dict[str, Any] = {}  # node id -> keeper
         self.layout: Hashable | None = None  # the layout the held snapshots were taken at
+        self.layout_cfg: JobConfig | None = None  # its config (what `persist` writes them as)
 
-    def adopt(self, layout: Hashable) -> bool:
-        """Hold snapshots of `layout` from now on; True when the layout changed, in which case
-        every snapshot held (of the old one) was dropped and none may be restored from."""
+    def adopt(self, layout: Hashable, cfg: JobConfig | None = None) -> bool:
+        """Hold snapshots of `layout` (whose config is `cfg`) from now on; True when the layout
+        changed, in which case every snapshot held (of the old one) was dropped and none may be
+        restored from (`persist` them first)."""
         if layout == self.layout:
+            self.layout_cfg = cfg or self.layout_cfg
             return False
         changed = self.layout is not None
         if changed:
             self.drop_after(-1)  # before the layout is noted: a failed drop is tried again
-        self.layout = layout
+        self.layout, self.layout_cfg = layout, cfg
         return changed
+
+    def persist(self, *, newer_than: int, before_step: int | None, timeout_s: float = 300.0) -> int | None:
+        """Commit the newest step every rank of the held layout has a snapshot of, when newer
+        than `newer_than` (the newest committed checkpoint) and below `before_step`, as a
+        checkpoint under the job's checkpoint dir; its step, or None when there is none to
+        commit. Raises (RayError, GetTimeoutError, or the committer's error) when it could not."""
+        cfg = self.layout_cfg
+        if cfg is None or not self._actors:
+            return None
+        restore = self.plan(cfg.world_size, newer_than=newer_than, before_step=before_step)
+        if restore is None:
+            return None
+        committer = ray.remote(num_cpus=0, max_restarts=0)(SnapshotCommitter).remote()
+        try:
+            return ray.get(committer.commit.remote(cfg.model_dump(mode="json"), restore.to_dict()),
+                           timeout=timeout_s)
+        finally:
+            ray.kill(committer, no_restart=True)
+
+    def prune(self, nodes: Iterable[str]) -> None:
+        """Let the keepers on nodes the job no longer uses go (evicted, or left by a resize):
+        once the attempt trains, no restore reads them, and each holds snapshots as big as a
+        rank's state."""
+        keep = set(nodes)
+        for node in [n for n in self._actors if n not in keep]:
+            log.info("snapshot keeper on node %s let go: the job no longer uses the node", node[:12])
+            ray.kill(self._actors.pop(node), no_restart=True)
 
     def ensure(self, node_ids: Iterable[str], timeout_s: float = 60.0) -> None:
         """A live keeper on each of `node_ids`, ready (its name resolvable) before any worker

@@ -1,12 +1,16 @@
-"""What hears the controller: the event log, metrics, service discovery, the progress record.
+"""What hears the controller: the event log, metrics, service discovery, the progress record,
+goodput.
 
 The controller decides and moves; it does not write metrics or discovery files itself. Every
 move, event, heartbeat snapshot and attempt end goes to its `Listeners`, and each listener
 does its own part (as Ray Train v2's controller callbacks do). A new consumer (a webhook, an
 audit log) is one more listener, not one more line in every state handler.
 
-    listeners = standard_listeners(cfg, record, print, metrics, targets, progress, warm_spares)
+    listeners = standard_listeners(cfg, record, print, metrics, targets, progress, warm_spares, goodput)
     listeners.moved(move, attempt)   # every listener hears it
+
+`ending` is heard once an attempt's workers are stopped and before its Redis keys are deleted
+(the last chance to read what they wrote: the step ledger); `ended` after.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
 from longrun.controller.job_state import JobRecordStore
 from longrun.controller.state import JobState, Transition
+from longrun.goodput.tracker import GoodputTracker
 from longrun.health.heartbeat import Heartbeat
 from longrun.health.policy import Action, Incident
 from longrun.observability.controller_metrics import ControllerMetrics
@@ -38,6 +43,7 @@ class Listener:
     def diagnosed(self, reports: list[dict[str, Any]]) -> None: ...
     def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None: ...
     def trained(self, attempt: Attempt) -> None: ...
+    def ending(self, attempt: Attempt) -> None: ...
     def ended(self, attempt: Attempt) -> None: ...
 
 
@@ -64,6 +70,9 @@ class Listeners(Listener):
 
     def trained(self, *args: Any) -> None:
         self._all("trained", args)
+
+    def ending(self, *args: Any) -> None:
+        self._all("ending", args)
 
     def ended(self, *args: Any) -> None:
         self._all("ended", args)
@@ -200,11 +209,49 @@ class SpareWarmer(Listener):
         self.warm()
 
 
+class GoodputListener(Listener):
+    """Where the job's wall time goes (goodput/): the controller's moves and declared faults,
+    the step ledger read each poll and once more before an attempt's keys are deleted, the
+    summary persisted in Redis and exported as metrics; the job's goodput line at its end."""
+
+    def __init__(self, tracker: GoodputTracker, metrics: ControllerMetrics, on_event: Callable[[str], None]):
+        self.tracker, self.metrics, self.on_event = tracker, metrics, on_event
+
+    def moved(self, move: Transition, attempt: Attempt) -> None:
+        decision = move.decision
+        self.tracker.moved(move.target, move.at, attempt=attempt.number, world_size=attempt.world_size,
+                           resize=decision is not None and decision.action is Action.RESIZE,
+                           cause=decision.cause.kind if decision is not None and decision.cause else None)
+        summary = self.tracker.summary()
+        self.metrics.set_goodput(summary.buckets)
+        if move.target.terminal or move.target is JobState.RECOVERING:  # also in the log status reads
+            self.on_event(summary.describe())
+
+    def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
+        if kind == "waiting_for_nodes":
+            self.tracker.waiting()
+
+    def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
+        if incidents:
+            self.tracker.declared(wall, incidents[0].kind)
+
+    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+        self.tracker.poll(attempt.number)
+        self.metrics.set_goodput(self.tracker.summary().buckets)
+
+    def ending(self, attempt: Attempt) -> None:
+        self.tracker.ending(attempt.number)
+
+
 def standard_listeners(cfg: JobConfig, record: JobRecordStore, on_event: Callable[[str], None],
                        metrics: ControllerMetrics, targets: Callable[[], list[dict]],
-                       progress: JobRecordStore, warm_spares: Callable[[], None]) -> Listeners:
+                       progress: JobRecordStore, warm_spares: Callable[[], None],
+                       goodput: GoodputTracker | None = None) -> Listeners:
     """What every controller has listening: the event log (and `on_event` lines), metrics,
     scrape targets (`targets`), progress in the job record (`progress`: on a client that fails
-    fast) and the launcher's spares (`warm_spares`)."""
-    return Listeners([EventLog(record, on_event), MetricsListener(metrics, record, cfg),
-                      Discovery(cfg, targets), ProgressRecord(progress), SpareWarmer(warm_spares)])
+    fast), the launcher's spares (`warm_spares`) and goodput (`goodput`)."""
+    listeners: list[Listener] = [EventLog(record, on_event), MetricsListener(metrics, record, cfg),
+                                 Discovery(cfg, targets), ProgressRecord(progress), SpareWarmer(warm_spares)]
+    if goodput is not None:
+        listeners.append(GoodputListener(goodput, metrics, on_event))
+    return Listeners(listeners)

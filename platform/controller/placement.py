@@ -11,12 +11,26 @@ and a re-placement after an eviction simply chooses again without the evicted no
 Two ways placement can fail, told apart because the controller reacts differently:
 - `PlacementImpossible`: the cluster does not have enough eligible nodes at all (counting
   total resources, not free ones). Waiting will not help; the message says what is missing.
-- `PlacementTimeout`: the nodes exist but their resources are busy; the controller may wait
-  and retry within its budget.
+- `PlacementTimeout`: the nodes exist but their resources are busy (another job holds them).
+  Busy is not gone: the controller waits for them (an elastic job continues on the nodes that
+  can be placed), and a wait spends no restart budget.
+Both carry `available`, the eligible nodes that could take a node's share of the job now
+(free resources), which is what an elastic job can continue on.
+
+What "could be placed now" means is free resources (`NodeInfo.available`), never totals: a
+node another job fills is no spare and no reason to grow (`spare_nodes`, `placeable_nodes`).
+The nodes of the job's own placement (`held`) count as free to it: it gives them back before
+placing again, and Ray's view of free resources trails that release.
+
+Ray's view of which nodes live trails too: a node lost a moment ago (the fault the job is
+restarting from) is still listed alive until the control store's health checks give up on it,
+and a reservation pinned to it would wait out the whole timeout. So a pending reservation looks
+again every few seconds, and one whose node has died since is dropped and chosen anew.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,19 +42,28 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from longrun.config import JobConfig
 
 NODE_ID_LABEL = "ray.io/node-id"
+RECHECK_S = 2.0  # how often a pending reservation looks whether one of its nodes has died
 
 
 class PlacementImpossible(RuntimeError):
     """The cluster can never hold this job (not enough eligible nodes). `available`: how many
-    eligible nodes it has (what an elastic job could continue on), when known."""
+    eligible nodes could take a node's share now (what an elastic job can continue on), and
+    `existing`: how many there are, busy ones included; None when not known."""
 
-    def __init__(self, message: str, available: int | None = None):
+    def __init__(self, message: str, available: int | None = None, existing: int | None = None):
         super().__init__(message)
         self.available = available
+        self.existing = available if existing is None else existing
 
 
 class PlacementTimeout(TimeoutError):
-    """Eligible nodes exist but did not free enough resources in time."""
+    """Eligible nodes exist but did not free enough resources in time. `available`: how many
+    could take a node's share when the wait ended (None: unknown); `existing`: how many exist."""
+
+    def __init__(self, message: str, available: int | None = None, existing: int | None = None):
+        super().__init__(message)
+        self.available = available
+        self.existing = existing
 
 
 def worker_bundle(cfg: JobConfig) -> dict[str, float]:
@@ -81,13 +104,37 @@ def alive_nodes() -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (n.address, n.node_id))
 
 
-def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = ()) -> list[NodeInfo]:
+def _eligible(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str]) -> list[NodeInfo]:
+    """Live, never evicted nodes whose total resources hold a node's share of the job."""
+    bundle, banned = worker_bundle(cfg), set(evicted)
+    return [n for n in nodes if n.node_id not in banned
+            and n.fits(bundle, cfg.cluster.workers_per_node, free=False)]
+
+
+def _free(cfg: JobConfig, node: NodeInfo, held: Iterable[str]) -> bool:
+    """Whether `node` could take a node's share of the job now: its free resources hold it, or
+    the job's own placement (given back before placing again) holds the node."""
+    return node.node_id in set(held) or node.fits(worker_bundle(cfg), cfg.cluster.workers_per_node, free=True)
+
+
+def placeable_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = (),
+                    held: Iterable[str] = ()) -> int:
+    """How many eligible nodes could take a node's share of the job now (see the module docstring)."""
+    held = set(held)
+    return sum(1 for n in _eligible(cfg, nodes, evicted) if _free(cfg, n, held))
+
+
+def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = (),
+                 held: Iterable[str] = ()) -> list[NodeInfo]:
     """`cluster.nodes` nodes for the job: never evicted ones, preferring nodes whose
-    resources are free now. Raises PlacementImpossible when too few nodes could ever fit."""
+    resources are free now (or `held` by the job's own placement). Raises PlacementImpossible
+    when too few nodes could ever fit."""
     bundle, per_node, wanted = worker_bundle(cfg), cfg.cluster.workers_per_node, cfg.cluster.nodes
-    banned = set(evicted)
+    banned, held = set(evicted), set(held)
+    nodes = list(nodes)
     candidates = [n for n in nodes if n.node_id not in banned]
-    able = [n for n in candidates if n.fits(bundle, per_node, free=False)]
+    able = _eligible(cfg, nodes, banned)
+    ready = [n for n in able if _free(cfg, n, held)]
     if len(able) < wanted:
         need = ", ".join(f"{amount * per_node:g} {name}" for name, amount in bundle.items())
         raise PlacementImpossible(
@@ -96,21 +143,23 @@ def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[st
             f"{len(able)} such node(s) among {len(candidates)} live and not evicted"
             + (f" ({len(banned)} evicted)" if banned else "")
             + "; add nodes or lower cluster.nodes / cluster.workers_per_node",
-            available=len(able),
+            available=len(ready), existing=len(able),
         )
     # Free nodes first (stable within each class), so the reservation can succeed at once.
-    ready = [n for n in able if n.fits(bundle, per_node, free=True)]
-    busy = [n for n in able if not n.fits(bundle, per_node, free=True)]
+    busy = [n for n in able if n not in ready]
     return (ready + busy)[:wanted]
 
 
-def spare_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = ()) -> int:
-    """How many live, never evicted nodes could hold a node's share of the job beyond the
-    `cluster.nodes` it needs: whether losing one of its nodes leaves a place to go."""
-    bundle, banned = worker_bundle(cfg), set(evicted)
-    able = [n for n in nodes if n.node_id not in banned and n.fits(bundle, cfg.cluster.workers_per_node,
-                                                                    free=False)]
-    return max(0, len(able) - cfg.cluster.nodes)
+def spare_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = (),
+                own: Iterable[str] = ()) -> int:
+    """How many live, never evicted nodes beyond the job's own could take a node's share of it
+    now: whether losing one of its nodes leaves a place to go, and whether a job running short
+    could be placed at its full size again. Free resources, not totals: a node that another
+    job keeps busy is no spare. `own`: the nodes of the job's placement (the job's nodes are
+    the first `cluster.nodes` free ones when it holds none)."""
+    own = set(own)
+    free = [n for n in _eligible(cfg, nodes, evicted) if n.node_id not in own and _free(cfg, n, ())]
+    return len(free) if own else max(0, len(free) - cfg.cluster.nodes)
 
 
 @dataclass
@@ -131,21 +180,33 @@ class Placement:
 
 
 def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.0,
-          name: str = "") -> Placement:
-    """Reserve the job's workers on chosen nodes (see the module docstring)."""
-    nodes = choose_nodes(cfg, alive_nodes(), evicted)
+          name: str = "", held: Iterable[str] = ()) -> Placement:
+    """Reserve the job's workers on chosen nodes (see the module docstring). `held`: the nodes
+    of the job's own placement, just given back."""
+    deadline = time.monotonic() + timeout_s
     per_node = cfg.cluster.workers_per_node
-    bundles = [worker_bundle(cfg) for _ in range(cfg.world_size)]
-    selectors = [{NODE_ID_LABEL: nodes[r // per_node].node_id} for r in range(cfg.world_size)]
-    group = placement_group(bundles, strategy="PACK", name=name, bundle_label_selector=selectors)
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(group)
-        raise PlacementTimeout(
-            f"{cfg.world_size} worker(s) on nodes {', '.join(n.address for n in nodes)} could not be "
-            f"reserved within {timeout_s:g} s: their resources are in use"
-        )
-    return Placement(group, tuple(n.node_id for n in nodes), per_node)
+    while True:
+        nodes = choose_nodes(cfg, alive_nodes(), evicted, held)
+        bundles = [worker_bundle(cfg) for _ in range(cfg.world_size)]
+        selectors = [{NODE_ID_LABEL: nodes[r // per_node].node_id} for r in range(cfg.world_size)]
+        group = placement_group(bundles, strategy="PACK", name=name, bundle_label_selector=selectors)
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(RECHECK_S, left)))
+            if ready:
+                return Placement(group, tuple(n.node_id for n in nodes), per_node)
+            now = alive_nodes()  # a pending group holds nothing (all or nothing): the view is the others'
+            if left <= 0:
+                remove_placement_group(group)
+                raise PlacementTimeout(
+                    f"{cfg.world_size} worker(s) on nodes {', '.join(n.address for n in nodes)} could not "
+                    f"be reserved within {timeout_s:g} s: their resources are in use",
+                    available=placeable_nodes(cfg, now, evicted), existing=len(_eligible(cfg, now, evicted)),
+                )
+            alive = {n.node_id for n in now}
+            if any(n.node_id not in alive for n in nodes):
+                remove_placement_group(group)  # pinned to a node that died: choose again
+                break
 
 
 def bundle_nodes(placement: Placement) -> list[str]:

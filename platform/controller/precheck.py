@@ -1,4 +1,5 @@
 """Before any worker is placed: can this job resume from the checkpoints it would restore?
+And, when a rollback is decided, fence off the checkpoints of the abandoned path.
 
 Every worker refuses a checkpoint of another model, or of the earlier format (`restore.py`;
 any parallel layout is fine: it reshards), and a restart would only meet the same refusal on
@@ -14,6 +15,7 @@ import logging
 import fsspec
 
 from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir_name
+from longrun.checkpoint.lineage import FENCES, FenceError, abandoned_reason, add_fence, read_fences
 from longrun.checkpoint.manifest import Manifest, ManifestError
 from longrun.config import JobConfig
 
@@ -33,12 +35,22 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
     except OSError as exc:  # the workers will meet the storage too, and say so in their own error
         log.warning("checkpoint precheck: cannot list %s (%s); leaving it to the workers", root, exc)
         return None
+    try:
+        fences = read_fences(fs, root)
+    except FenceError as exc:
+        return f"cannot resume from {cfg.checkpoint_dir}: {exc}"
+    except OSError as exc:
+        log.warning("checkpoint precheck: cannot read %s/%s (%s); leaving it to the workers",
+                    root, FENCES, exc)
+        return None
     for step in reversed(steps):
         path = f"{root}/{step_dir_name(step)}/{MANIFEST}"
         try:
             manifest = Manifest.from_json(fs.cat_file(path), where=path)
         except (ManifestError, OSError) as exc:
             log.warning("checkpoint precheck: %s is unreadable (%s); looking at an older one", path, exc)
+            continue
+        if abandoned_reason(manifest, fences) is not None:  # the workers pass it over too
             continue
         # Any layout restores any checkpoint; only the model (and the format) must fit.
         mismatch = manifest.incompatibility(cfg.model.model_dump(mode="json"))
@@ -48,3 +60,23 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
                 "Point checkpoint.dir elsewhere to start afresh, or run with the model the "
                 "checkpoint was written with.")
     return None
+
+
+def fence_rollback(cfg: JobConfig, before_step: int, reason: str) -> None:
+    """A decision restores from before `before_step` (a loss spike): fence off every checkpoint
+    at or after it, so that no later restart, of this job or a rerun, restores the spiked
+    weights (`checkpoint/lineage.py`). Called after the attempt's workers were stopped and
+    before the next attempt starts (it stamps its checkpoints with the new lineage). Without a
+    checkpoint root there is nothing to fence: no save was ever started."""
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    root = root.rstrip("/")
+    try:
+        if not fs.isdir(root):
+            return
+        lineage = add_fence(fs, root, before_step, reason)
+    except (OSError, FenceError) as exc:  # the restore still goes before the step; a later one might not
+        log.error("could not fence the checkpoints at or after step %d under %s (%s): a later "
+                  "ordinary restart may restore the spiked weights; delete them by hand", before_step,
+                  root, exc)
+        return
+    log.info("checkpoints at or after step %d under %s fenced off (lineage %d)", before_step, root, lineage)

@@ -8,6 +8,10 @@ decision comes back as incidents.
 
 Heartbeat reads go through a client that fails fast: a Redis that is away pauses the judging
 (the monitor's clock stands still) instead of stalling the watch or blaming the ranks.
+
+Where a recovered attempt resumed and how many steps the fault cost come from the step ledger
+(`ledger`: the goodput tracker), not from heartbeats: those are sent on a timer and can miss a
+dying attempt's last steps, which made a lost step read "0 step(s) of work lost".
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
 from longrun.controller.listeners import Listener
 from longrun.controller.outcomes import RankEnded
+from longrun.goodput.tracker import GoodputTracker
 from longrun.health.heartbeat import Heartbeat, read_heartbeats
 from longrun.health.policy import Incident
 
@@ -29,8 +34,8 @@ log = logging.getLogger(__name__)
 
 class Watcher:
     def __init__(self, cfg: JobConfig, client: redis.Redis, listeners: Listener, *, poll_s: float,
-                 clock: Callable[[], float], wall: Callable[[], float]):
-        self.cfg, self.client, self.listeners = cfg, client, listeners
+                 clock: Callable[[], float], wall: Callable[[], float], ledger: GoodputTracker | None = None):
+        self.cfg, self.client, self.listeners, self.ledger = cfg, client, listeners, ledger
         self.poll_s, self.clock, self.wall = poll_s, clock, wall
         self._store_lost_at: float | None = None  # wall time the heartbeat reads started failing
 
@@ -95,9 +100,18 @@ class Watcher:
         self.listeners.trained(attempt)
         if attempt.recovery is not None:
             took = self.wall() - attempt.recovery.at
-            resumed = max(b.resumed_from for b in live)
-            lost = max(0, (attempt.lost_from or 0) - resumed)
+            resumed, lost, source = self._resumed(attempt, live)
             self.listeners.event("recovered", attempt, (
                 f"attempt {attempt.number} completed its first step {took:.1f} s after the fault "
-                f"was declared; it resumed from step {resumed}, {lost} step(s) of work lost"),
-                {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost})
+                f"was declared; it resumed from step {resumed}, {lost} step(s) of work lost"
+                + ("" if source == "ledger" else " (from heartbeats: the step ledger could not be read)")),
+                {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source})
+
+    def _resumed(self, attempt: Attempt, live: list[Heartbeat]) -> tuple[int, int, str]:
+        """(step resumed from, steps lost, "ledger" or "heartbeats"): the step ledger's once it
+        has every rank's restore, else the heartbeats' (Redis was away when it was read)."""
+        known = self.ledger.recovery(attempt.number) if self.ledger is not None else None
+        if known is not None:
+            return *known, "ledger"
+        resumed = max(b.resumed_from for b in live)
+        return resumed, max(0, (attempt.lost_from or 0) - resumed), "heartbeats"

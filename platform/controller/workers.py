@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 
 from longrun.config import JobConfig
 from longrun.controller.elastic import layout_key
@@ -60,7 +60,9 @@ class LaunchFailed(RuntimeError):
 
 class Launcher(Protocol):
     """Places and starts one attempt's group; raises PlacementImpossible / PlacementTimeout.
-    Between attempts it may keep what helps the next one start fast (see RayLauncher)."""
+    Between attempts it may keep what helps the next one start fast (see RayLauncher).
+    `spare_nodes`: nodes beyond the job's own whose free resources could take one of its
+    nodes' place now (None: unknown)."""
 
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
@@ -189,16 +191,33 @@ class RayLauncher:
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
                  skip_steps: Sequence[tuple[int, int]] = ()) -> RayWorkerGroup:
+        try:
+            return self._launch(cfg, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps)
+        except LaunchFailed as exc:
+            if not isinstance(exc.__cause__, RayActorError):
+                raise
+            # A worker that died before it started: a spare on a node lost a moment ago (its
+            # warm-up answered before), or a worker placed there while Ray still listed the node
+            # alive. The next try places afresh, with the dead node noticed (place() looks
+            # again); a restart spent on it would cost the budget and a backoff.
+            log.warning("%s; placing the workers once more", exc)
+            return self._launch(cfg, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps)
+
+    def _launch(self, cfg: JobConfig, attempt: int, redis_url: str, evicted: Iterable[str],
+                resume_before_step: int | None, timeout_s: float,
+                skip_steps: Sequence[tuple[int, int]]) -> RayWorkerGroup:
+        held: tuple[str, ...] = ()  # the nodes this job just gave back: free to it, whatever Ray says yet
         if self.placement is not None and not self._reusable(cfg, set(evicted)):
+            held = self.placement.node_ids
             self._release_placement()
         if self.placement is None:
             self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
-                                   name=f"longrun-{cfg.job.name}-a{attempt}")
+                                   name=f"longrun-{cfg.job.name}-a{attempt}", held=held)
         self._cfg = cfg
         actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
                                          for rank in range(cfg.world_size)]
         config = cfg.model_dump(mode="json")
-        snapshots = self._snapshot_plans(cfg, resume_before_step)
+        snapshots = self._snapshot_plans(cfg, resume_before_step, timeout_s=max(timeout_s, 300.0))
         try:
             ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
                                      resume_before_step, list(skip_steps), snapshots[rank])
@@ -214,17 +233,22 @@ class RayLauncher:
         return RayWorkerGroup(self.placement, actors)
 
     def spare_nodes(self, cfg: JobConfig, evicted: Iterable[str]) -> int | None:
-        """Live nodes beyond the job's (never evicted) that could replace one of its nodes;
-        None (unknown) while Ray's control store cannot list them."""
+        """Live nodes beyond the job's own placement (never evicted) whose free resources could
+        take one of its nodes' place now; None (unknown) while Ray's control store cannot list
+        them. A busy node is no spare: growing onto it would wait on its resources."""
+        own = self.placement.node_ids if self.placement is not None else ()
         try:
-            return spare_nodes(cfg, alive_nodes(), evicted)
+            return spare_nodes(cfg, alive_nodes(), evicted, own=own)
         except Exception as exc:  # a GCS restart must not end the controller
             log.warning("cannot list Ray's nodes (%s)", last_line(exc))
             return None
 
     def warm_spares(self) -> None:
         """Start and warm the next attempt's spares (called once the attempt trains, so their
-        imports do not compete with its start-up)."""
+        imports do not compete with its start-up). The attempt has restored by then: keepers on
+        nodes it does not use are let go."""
+        if self.keepers is not None and self.placement is not None:
+            self.keepers.prune(self.placement.node_ids)
         if not self.spares_enabled or self.placement is None or self._spares or self._cfg is None:
             return
         self._generation += 1
@@ -232,7 +256,27 @@ class RayLauncher:
                         for rank in range(self._cfg.world_size)]
         self._warming = [s.warm.remote() for s in self._spares]
 
-    def _snapshot_plans(self, cfg: JobConfig, resume_before_step: int | None) -> list[dict | None]:
+    def persist_snapshots(self, *, before_step: int | None, timeout_s: float) -> tuple[int | None, int]:
+        """Before the job lets its keepers go (a stop between attempts): commit the newest
+        snapshot every rank has, when newer than the newest committed checkpoint, as a
+        checkpoint. (the step committed from memory or None, the newest committed step before);
+        raises when the keepers held a newer step that could not be committed."""
+        if self.keepers is None or self.keepers.layout_cfg is None:
+            return None, 0
+        stored = newest_committed_step(self.keepers.layout_cfg, before_step=before_step)
+        return self.keepers.persist(newer_than=stored, before_step=before_step, timeout_s=timeout_s), stored
+
+    def _persist(self, stored: int, before_step: int | None, *, timeout_s: float) -> int | None:
+        try:
+            return self.keepers.persist(newer_than=stored, before_step=before_step, timeout_s=timeout_s)
+        except Exception as exc:  # a shortcut lost, not a reason to fail: storage has the rest
+            log.warning("the memory snapshots of the old layout could not be committed (%s); the new "
+                        "layout restores from the newest committed checkpoint (step %d)", last_line(exc),
+                        stored)
+            return None
+
+    def _snapshot_plans(self, cfg: JobConfig, resume_before_step: int | None,
+                        timeout_s: float = 300.0) -> list[dict | None]:
         """Per rank, what assume() needs for peer memory snapshots (None each when off): the
         keepers to send to, and the snapshot to restore from when one is newer than the newest
         committed checkpoint."""
@@ -248,9 +292,13 @@ class RayLauncher:
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
             log.warning("a snapshot keeper did not start (%s); its ranks' snapshots are off", exc)
         stored = newest_committed_step(cfg, before_step=resume_before_step)
+        if self.keepers.layout not in (None, layout_key(cfg)):
+            # A resize: the old layout's snapshots fit none of the new ranks, so the newest one
+            # becomes a committed checkpoint, which the new layout restores by resharding.
+            stored = max(stored, self._persist(stored, resume_before_step, timeout_s=timeout_s) or 0)
         try:
             # A resized attempt restores from storage: what the keepers held was the old layout's.
-            resized = self.keepers.adopt(layout_key(cfg))
+            resized = self.keepers.adopt(layout_key(cfg), cfg)
             restore = None if resized else self.keepers.plan(cfg.world_size, newer_than=stored,
                                                              before_step=resume_before_step)
             # What follows the step this attempt resumes from was trained on a path it leaves.

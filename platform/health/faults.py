@@ -11,7 +11,9 @@ optimizer steps in attempt `attempt`, do `kind`:
          slow link);
 - hold   wait, in phase "held", until `release_file` exists: a breakpoint an outside observer
          releases (a test holds every rank at one step until Prometheus has scraped it). The
-         monitor judges a held rank by the hard hang ceiling, like a checkpoint.
+         monitor judges a held rank by the hard hang ceiling, like a checkpoint;
+- fail_save  this rank's next checkpoint save fails with ENOSPC in its writer (a full disk),
+         after `step`: armed at step N, the save of the next step due fails.
 
 Each fault fires in one attempt only, so the restart it causes does not fire it again. Removing
 a whole node is done from outside (the test removes the Ray node).
@@ -45,7 +47,8 @@ class FaultInjector:
     def __init__(self, specs: Sequence[FaultSpec], rank: int, attempt: int,
                  model: torch.nn.Module | None = None,
                  on_fire: Callable[[FaultSpec, int], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None):
+                 on_phase: Callable[[str], None] | None = None,
+                 on_fail_save: Callable[[str], None] | None = None):
         self.pending = sorted((s for s in specs if s.rank == rank and s.attempt == attempt),
                               key=lambda s: s.step)
         self.rank, self.attempt, self.model = rank, attempt, model
@@ -53,6 +56,7 @@ class FaultInjector:
         # log, so detection latency can be measured from the moment of the fault itself.
         self.on_fire = on_fire
         self.on_phase = on_phase or (lambda phase: None)  # the heartbeat's phase, for 'hold'
+        self.on_fail_save = on_fail_save  # arms the checkpoint writer, for 'fail_save'
         self.slow_s = 0.0
 
     def __bool__(self) -> bool:
@@ -92,6 +96,10 @@ class FaultInjector:
             self.slow_s = spec.seconds
         elif spec.kind == "hold":
             self._hold(spec.release_file)
+        elif spec.kind == "fail_save":
+            if self.on_fail_save is None:
+                raise ValueError("a 'fail_save' fault needs the checkpoint writer to arm")
+            self.on_fail_save(f"injected fault on rank {self.rank} after step {step}")
         else:  # the config's Literal makes this unreachable; a new kind must be handled here
             raise ValueError(f"unknown fault kind {spec.kind!r}")
 

@@ -29,14 +29,17 @@ MAX_BACKOFF_S = 60.0
 
 def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,
            *, now: float, failed_diagnostics: Mapping[str, str] | None = None,
-           spare_nodes: int | None = None) -> Decision:
+           spare_nodes: int | None = None, restarts_total: int | None = None) -> Decision:
     """What to do about `incidents`, given the restarts in `history`.
 
     `failed_diagnostics` (node id -> reason) counts as one diagnostics_failed incident per node.
     `spare_nodes`: live nodes, beyond the job's and never evicted, that could take one of its
     nodes' place (None: unknown); a node is evicted for repeated faults only where one can.
+    `restarts_total`: every restart so far, when `history` keeps only the recent ones (None:
+    `history` is all of them); recovery.max_restarts counts it.
     """
     facts = _gather(incidents, history, recovery, now, failed_diagnostics or {}, spare_nodes)
+    used = max(len(history), restarts_total or 0)
     if not facts.incidents:
         return Decision(Action.CONTINUE, "no incidents: 0 reported, continue.")
     primary, *others = facts.incidents
@@ -46,14 +49,14 @@ def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], reco
     decision = _fold_in(decision, others, facts)
     if decision.action not in RESTARTS:
         return decision
-    return _within_budget(decision, facts)
+    return _within_budget(decision, facts, used)
 
 
 def restart_budget_left(history: Sequence[RestartRecord], recovery: RecoverySection,
-                        now: float) -> tuple[int, int]:
+                        now: float, restarts_total: int | None = None) -> tuple[int, int]:
     """(restarts left in total, restarts left in the current window), for status output."""
     in_window = len(recent(tuple(history), recovery, now))
-    return (max(0, recovery.max_restarts - len(history)),
+    return (max(0, recovery.max_restarts - max(len(history), restarts_total or 0)),
             max(0, recovery.max_restarts_in_window - in_window))
 
 
@@ -78,8 +81,8 @@ def _fold_in(decision: Decision, others: Sequence[Incident], f: Facts) -> Decisi
                    skip_steps=bad.skip_steps if bad else None)
 
 
-def _within_budget(decision: Decision, f: Facts) -> Decision:
-    r, used, in_window = f.recovery, len(f.history), len(f.recent)
+def _within_budget(decision: Decision, f: Facts, used: int) -> Decision:
+    r, in_window = f.recovery, len(f.recent)
     cause = cause_text(decision.cause)
     if used >= r.max_restarts:
         return Decision(Action.GIVE_UP, f"restart budget spent: {used} restarts (recovery.max_restarts = "
@@ -88,11 +91,26 @@ def _within_budget(decision: Decision, f: Facts) -> Decision:
         return Decision(Action.GIVE_UP, f"restart storm: {in_window} restarts in the last "
                         f"{r.restart_window_s:g} s (recovery.max_restarts_in_window = "
                         f"{r.max_restarts_in_window}); last cause: {cause}.", cause=decision.cause)
-    # Doubling per recent restart gives a flapping dependency (storage, the store) time to recover.
-    backoff = min(MAX_BACKOFF_S, r.restart_backoff_s * 2.0 ** min(in_window, 1000))
+    # Doubling per restart that got no further gives a flapping dependency (storage, the store)
+    # time to recover; a job that trains past its last fault starts again from the base backoff,
+    # or a long job with a fault every few minutes would spend its hour waiting.
+    stalled = _restarts_without_progress(f.recent, decision.cause.step if decision.cause else None)
+    backoff = min(MAX_BACKOFF_S, r.restart_backoff_s * 2.0 ** min(stalled, 1000))
     return replace(decision, backoff_s=backoff, reason=extend(
         decision.reason, f"this is restart {used + 1} of {r.max_restarts}, {in_window + 1} of "
         f"{r.max_restarts_in_window} within {r.restart_window_s:g} s, after {backoff:g} s backoff"))
+
+
+def _restarts_without_progress(recent_restarts: Sequence[RestartRecord], fault_step: int | None) -> int:
+    """How many of the newest recent restarts in a row were followed by a fault at no later
+    step (the job never got past where it had failed). A step that is not known counts as no
+    progress: the backoff errs on the side of waiting."""
+    stalled, later = 0, fault_step
+    for record in sorted(recent_restarts, key=lambda r: r.at, reverse=True):
+        if later is not None and record.step is not None and later > record.step:
+            break
+        stalled, later = stalled + 1, record.step
+    return stalled
 
 
 def _gather(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,

@@ -13,8 +13,14 @@ be dp' x fsdp' x cp x tp x pp with dp' <= dp and fsdp' <= fsdp (neither grows: a
 fsdp or dp than configured was never asked for, and a smaller fsdp than needed is the price
 of fewer nodes, not a choice).
 
+Busy is not gone: a node that is alive but whose resources another job holds cannot be
+placed now (it is not `available`) yet still exists (`existing`). The job continues on what
+can be placed, and when not even `recovery.min_nodes` can, it waits for the busy nodes to free
+up rather than giving up: only nodes that do not exist at all end the job.
+
     policy = ScalingPolicy(configured=4, min_nodes=2, shrink_after_s=60, sizes=frozenset({2, 3}))
     policy.short(available=3, waited_s=75)     # SHRINK to 3
+    policy.short(available=1, waited_s=75, existing=4)  # WAIT: three nodes are busy, not gone
     policy.running(current=3, available=4)     # GROW to 4
 """
 
@@ -65,11 +71,13 @@ class ScalingPolicy:
     def elastic(self) -> bool:
         return self.min_nodes is not None
 
-    def short(self, available: int | None, waited_s: float) -> SizeDecision:
-        """The configured node count cannot be placed: `available` nodes can (None: unknown),
-        and the job has been short for `waited_s`. WAIT, SHRINK or GIVE_UP."""
+    def short(self, available: int | None, waited_s: float, existing: int | None = None) -> SizeDecision:
+        """The configured node count cannot be placed: `available` nodes can be now (None:
+        unknown), `existing` eligible nodes exist at all, busy ones included (None: as many as
+        are available), and the job has been short for `waited_s`. WAIT, SHRINK or GIVE_UP."""
         want = self.configured
         have = "an unknown number" if available is None else f"{available} of {want}"
+        busy = 0 if available is None or existing is None else max(0, existing - available)
         if self.min_nodes is None:
             return SizeDecision(Resize.GIVE_UP, want, (
                 f"only {have} node(s) can be placed and the job is not elastic (recovery.min_nodes "
@@ -85,6 +93,11 @@ class ScalingPolicy:
                 f"{have} node(s) can be placed after {waited_s:.0f} s (recovery.shrink_after_s = "
                 f"{self.shrink_after_s:g} s); continue on {n} (recovery.min_nodes = {self.min_nodes}) "
                 f"with the same global batch, and grow back to {want} when they can be placed."))
+        if busy and any(self.min_nodes <= n <= existing for n in self.sizes | {want}):
+            return SizeDecision(Resize.WAIT, want, (
+                f"only {have} node(s) can be placed now and {busy} more are busy (another job holds "
+                f"their resources), too few for any size from recovery.min_nodes ({self.min_nodes}); "
+                "busy is not gone: waiting for them to free up."))
         if available < self.min_nodes:
             why = f"fewer than recovery.min_nodes ({self.min_nodes})"
         else:

@@ -9,6 +9,7 @@ dashboard query returns data (a zero) before the first fault.
     metrics = ControllerMetrics("my-run")
     port = metrics.serve("0.0.0.0", 9400, targets=lambda: target_groups(...))  # /metrics and /sd
     metrics.set_state("RUNNING"); metrics.set_attempt(2); metrics.restart("hang")
+    metrics.set_goodput({"productive": 90.0, "redone": 4.0, ...})   # longrun_goodput_ratio 0.9...
     metrics.close()
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 
 from longrun.controller.state import JobState
+from longrun.goodput.accounting import BUCKETS
 from longrun.observability.server import ObservabilityServer
 from longrun.observability.vocab import (
     CONTROLLER_LABELS,
@@ -88,6 +90,15 @@ class ControllerMetrics:
         self.diag_time = Gauge("longrun_diagnostics_duration_seconds",
                                "Duration of the last diagnostic per node and check.",
                                (*labels, "node", "check"), registry=r)
+        self.goodput = Gauge("longrun_goodput_ratio", "Share of the job's wall time that trained steps "
+                             "which count (productive seconds over all seconds accounted).", labels,
+                             registry=r)
+        # A gauge, though its values are totals: a fault moves seconds from productive to
+        # redone once the next attempt says where it resumed (a counter must never fall), and a
+        # controller continuing a preempted job starts from the job's persisted totals.
+        self.job_seconds = Gauge("longrun_job_seconds_total", "The job's wall time so far, by where it "
+                                 "went (goodput/accounting.py: every second in exactly one bucket).",
+                                 (*labels, "bucket"), registry=r)
         self.group_init_time = Gauge("longrun_group_init_seconds",
                                      "Communication-group bring-up time of the current attempt (rank 0), "
                                      "per phase.", (*labels, "phase"), registry=r)
@@ -97,6 +108,9 @@ class ControllerMetrics:
                       self.world_size):
             gauge.labels(job).set(0)
         self.steps_lost.labels(job)
+        self.goodput.labels(job).set(0)
+        for bucket in BUCKETS:
+            self.job_seconds.labels(job, bucket).set(0)
         for direction in RESIZE_DIRECTIONS:
             self.resizes.labels(job, direction)
         for kind in FAULT_KINDS:
@@ -133,6 +147,13 @@ class ControllerMetrics:
         self.recovery_time.labels(self.job).observe(seconds)
         self.steps_lost.labels(self.job).inc(steps_lost)
         self.last_steps_lost.labels(self.job).set(steps_lost)
+
+    def set_goodput(self, buckets: dict[str, float]) -> None:
+        """The job's seconds per goodput bucket so far (every bucket of accounting.BUCKETS)."""
+        wall = sum(buckets.values())
+        for bucket in BUCKETS:
+            self.job_seconds.labels(self.job, bucket).set(buckets.get(bucket, 0.0))
+        self.goodput.labels(self.job).set(buckets.get("productive", 0.0) / wall if wall > 0 else 0.0)
 
     def set_evicted(self, count: int) -> None:
         self.evicted.labels(self.job).set(count)

@@ -96,6 +96,9 @@ class WorkerMetrics:
                                   "Step time the CP cost model predicted for the last plan.")
         self.cp_measured = gauge("longrun_dynamic_cp_measured_step_seconds",
                                  "Measured time of the last planned step.")
+        self.snapshots_dropped = Counter(
+            "longrun_memory_dropped_snapshots", "Peer memory snapshots dropped on this rank (a keeper "
+            "too slow to take one in time, or a send that failed); training went on.", labels, registry=r)
         self.group_init = gauge("longrun_group_init_seconds",
                                 "Communication-group bring-up time of this attempt, per phase.", ("phase",))
         self._server: ObservabilityServer | None = None
@@ -148,6 +151,11 @@ class WorkerMetrics:
         """A restore at the start of an attempt, from `source` (vocab.RESTORE_SOURCES)."""
         self.restore_time.labels(**self._values, source=bounded(source, RESTORE_SOURCES, "restore source")
                                  ).set(seconds)
+
+    def snapshot_dropped(self, step: int, why: str) -> None:
+        """A memory snapshot was dropped (`checkpoint/memory.py`): counted, never labelled by
+        step or reason."""
+        self.snapshots_dropped.labels(**self._values).inc()
 
     def observe_cp_plan(self, cp_sizes: Sequence[int], predicted_s: float, measured_s: float | None) -> None:
         """One dynamic-CP plan: the CP size of each micro-batch, the cost model's step time and,

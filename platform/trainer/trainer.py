@@ -124,6 +124,9 @@ class Trainer:
         self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)
         # Steps (1-based) whose data is consumed without training (see skip_step).
         self.skip_steps: frozenset[int] = frozenset()
+        # Told the number of a step just skipped: no metrics (nothing trained), but the worker
+        # still beats, checkpoints when one is due and honours a stop there (StepHooks).
+        self.on_skip: Callable[[int], None] = lambda step: None
         # Called right before the optimizer changes the weights (a checkpoint copy in flight
         # must finish first).
         self.before_update: list[Callable[[], None]] = []
@@ -200,10 +203,15 @@ class Trainer:
         returns its summed token loss (detached)."""
         with self.parallel.micro_batch(last=last), self.parallel.loss_parallel():
             if mb.idle:  # joins the gradient synchronisation, contributes nothing
-                loss = self._priming_loss(self.parallel.forward) * 0.0
-            else:
-                attention = mb.attention() if mb.attention is not None else None
-                loss = self._summed_token_loss(self.parallel.forward, mb.inputs, attention)
+                # Zero gradients whatever the priming loss is (the backward of `x * 0.0` never
+                # reads x), but its *value* is not added: an infinite priming loss times 0.0 is
+                # NaN and would fail a step whose real loss is finite.
+                priming = self._priming_loss(self.parallel.forward)
+                self.on_phase(Phase.BACKWARD)
+                (priming * 0.0).backward()
+                return torch.zeros((), device=self.device)
+            attention = mb.attention() if mb.attention is not None else None
+            loss = self._summed_token_loss(self.parallel.forward, mb.inputs, attention)
             self.on_phase(Phase.BACKWARD)
             (loss / loss_tokens).backward()
         loss = loss.detach()
@@ -291,6 +299,7 @@ class Trainer:
         while self.step < until:
             if self.step + 1 in self.skip_steps:
                 self.skip_step()
+                self.on_skip(self.step)
                 continue
             metrics = self.train_step()
             for hook in hooks:

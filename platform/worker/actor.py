@@ -14,6 +14,7 @@ from typing import Any
 
 from longrun import keys
 from longrun.config import JobConfig
+from longrun.goodput.ledger import StepLedger, step_ledger_client
 from longrun.health.heartbeat import HeartbeatPublisher
 from longrun.kinds import FaultKind, Phase
 from longrun.observability.discovery import advertised_address
@@ -114,6 +115,9 @@ class TrainWorker:
         # Redis restart, so they go through the patient client.
         client = quick_client(self.redis_url)
         ledger_client = patient_client(self.redis_url, cfg.health.store_patience_s)
+        # The step ledger (goodput) is written every step: a Redis away must not stall training.
+        self.step_ledger = StepLedger(step_ledger_client(self.redis_url), cfg.job.name, self.attempt,
+                                      self.rank)
         beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank,
                                   cfg.health.heartbeat_interval_s, cfg.health.heartbeat_timeout_s).start()
         node = self.node_ids[self.rank // cfg.cluster.workers_per_node]
@@ -138,6 +142,7 @@ class TrainWorker:
             metrics.close()
             client.close()
             ledger_client.close()
+            self.step_ledger.client.close()
         beat.stop(final_phase=Phase.DONE)
         return summary | {"rank": self.rank, "metrics_port": self.metrics_port}
 
@@ -164,17 +169,20 @@ class TrainWorker:
         trainer, replicas = build_trainer(cfg, groups, device, resuming=resuming)
         with trainer:
             hooks = StepHooks(beat, metrics)
+            hooks.ledger = self.step_ledger
             hooks.checkpointer = Checkpointer(
                 cfg, rank=self.rank, world_size=cfg.world_size, dp_rank=replicas.rank,
                 dp_size=replicas.size, on_saved=hooks.saved,
                 ledger=RedisCommitLedger(ledger_client, cfg.job.name, self.attempt))
             hooks.faults = FaultInjector(cfg.health.faults, self.rank, self.attempt, model=trainer.model,
-                                         on_fire=self._record_fault(ledger_client), on_phase=hooks.phase)
+                                         on_fire=self._record_fault(ledger_client), on_phase=hooks.phase,
+                                         on_fail_save=hooks.checkpointer.writer.fail_next_save)
             hooks.preemption = PreemptionWatch(client, cfg.job.name, self.attempt)
             if self.snapshots is not None:
                 from longrun.worker.snapshots import memory_snapshots
 
-                hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots)  # None: unreachable
+                hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots,  # None: unreachable
+                                                   on_drop=metrics.snapshot_dropped)
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
             if resuming and not resumed_from:
@@ -188,6 +196,11 @@ class TrainWorker:
                     print(f"stopped on request after step {stop.step}: its checkpoint is committed",
                           flush=True)
             finally:
+                if hooks.snapshots is not None:
+                    # The last snapshot reaches the keepers before the last save's fate is known:
+                    # if that save failed, the restart resumes from it (and writes it) instead
+                    # of training the last steps again.
+                    hooks.snapshots.wait()
                 hooks.checkpointer.close()  # the last save commits, or its failure is raised
         last = hooks.last
         return {"step": trainer.step, "resumed_from": resumed_from, "preempted": preempted,
@@ -211,6 +224,11 @@ class TrainWorker:
                 hooks.restored(step, time.time(), source="memory", seconds=time.perf_counter() - started)
                 if self.rank == 0:
                     print(f"resumed from the memory snapshot of step {step}", flush=True)
+                # The controller chose the snapshot for being newer than every committed
+                # checkpoint, so a save due at its step never committed (the failed save that
+                # ended the last attempt, say): it is written now. At the job's last step nothing
+                # else would write it, and the job would end with its last steps in memory only.
+                hooks.checkpoint_if_due(step)
                 self._skip_windows(trainer)
                 return step
             started = time.perf_counter()

@@ -17,6 +17,13 @@ everything around it, in the order it happens:
                        injected faults, then a stop request: at the
                        step every rank agreed on, save now, wait for the commit and raise
                        `Preempted` (preemption.py)
+    after_skipped_step(n)  a step whose data the policy skipped: heartbeat progress and
+                       everything due at it as above, without training metrics
+
+Once what is due after a step (checkpoint, snapshot) is done, and before injected faults or a
+stop, the step goes into the step ledger (goodput/ledger.py) with the seconds this step spent
+blocked on the data, a checkpoint and a snapshot: synchronously, so a rank that dies next has
+its last step on record (heartbeats are sent on a timer and can miss it).
 
 Built in the spirit of torchft's Manager: a small surface the training loop calls, rather
 than closures threaded through it.
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
     from longrun.checkpoint import Checkpointer
     from longrun.checkpoint.memory import MemorySnapshots
     from longrun.checkpoint.writer import SaveResult
+    from longrun.goodput.ledger import StepLedger
     from longrun.trainer import StepMetrics, Trainer
 
 
@@ -52,10 +60,14 @@ class StepHooks:
         self.last: StepMetrics | None = None
         self._phase: str | None = None
         self._phase_since = 0.0
+        self.ledger: StepLedger | None = None  # the step ledger, for goodput
+        # This step's seconds blocked on the data, a checkpoint and a snapshot (for the ledger).
+        self._blocked = dict.fromkeys(("data_s", "checkpoint_s", "snapshot_s"), 0.0)
 
     def attach(self, trainer: Trainer) -> StepHooks:
         self.trainer = trainer
         trainer.on_phase = self.phase
+        trainer.on_skip = self.after_skipped_step
         trainer.before_update.append(self.before_update)
         return self
 
@@ -65,14 +77,16 @@ class StepHooks:
         now = time.perf_counter()
         if self._phase is not None:
             self.metrics.observe_phase(self._phase, now - self._phase_since)
+            if self._phase in (Phase.DATA, Phase.PLAN):  # waiting for the next (planned) global batch
+                self._blocked["data_s"] += now - self._phase_since
         self._phase, self._phase_since = name, now
         self.beat.update(phase=name)
 
     def before_update(self) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.before_update()
+            self._blocked["checkpoint_s"] += _timed(self.checkpointer.before_update)
         if self.snapshots is not None:
-            self.snapshots.before_update()
+            self._blocked["snapshot_s"] += _timed(self.snapshots.before_update)
 
     def after_step(self, m: StepMetrics) -> None:
         first = self.last is None
@@ -88,18 +102,34 @@ class StepHooks:
         self.beat.update(step=m.step, loss=m.loss if finite else None, loss_finite=finite,
                          step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
                          memory_bytes=m.memory_bytes)
-        self._checkpoint(m.step)
-        if self.snapshots is not None and self.snapshots.due(m.step):
-            self.snapshots.take(self.trainer)  # a host copy; sent to the keepers in the background
+        self._step_done(m.step)
+
+    def after_skipped_step(self, step: int) -> None:
+        """A step whose data the policy skipped: no training metrics (nothing was trained),
+        but the heartbeat moves on and whatever is due at `step` still happens (a checkpoint
+        due inside the window, the last step's included, is written)."""
+        self.beat.update(step=step)
+        self._step_done(step)
+
+    def _step_done(self, step: int) -> None:
+        """What is due once `step` is done, trained or skipped."""
+        self._blocked["checkpoint_s"] += _timed(self.checkpoint_if_due, step)
+        if self.snapshots is not None and self.snapshots.due(step):
+            # a host copy; sent to the keepers in the background
+            self._blocked["snapshot_s"] += _timed(self.snapshots.take, self.trainer)
+        if self.ledger is not None:
+            self.ledger.step(step, **self._blocked)
+        self._blocked = dict.fromkeys(self._blocked, 0.0)
         if self.faults is not None:
-            self.faults.after_step(m.step)
-        if self.preemption is not None and self.preemption.stop_after(m.step):
+            self.faults.after_step(step)
+        if self.preemption is not None and self.preemption.stop_after(step):
             self.phase(Phase.CHECKPOINT)
             if self.checkpointer is not None:
                 self.checkpointer.save_now(self.trainer)
-            raise Preempted(m.step)
+            raise Preempted(step)
 
-    def _checkpoint(self, step: int) -> None:
+    def checkpoint_if_due(self, step: int) -> None:
+        """Save `step` when a checkpoint is due at it (its writing goes on in the background)."""
         ckpt = self.checkpointer
         if ckpt is None or not ckpt.due(step):
             return
@@ -118,8 +148,18 @@ class StepHooks:
     def restored(self, step: int | None, committed_at: float, *, source: str, seconds: float) -> None:
         """The attempt's restore: from `source`, `step` (None: nothing to resume from)."""
         self.metrics.observe_restore(source, seconds)
+        if self.ledger is not None:  # training begins now
+            self.ledger.restored(step, "none" if step is None else source, seconds)
+            self._blocked = dict.fromkeys(self._blocked, 0.0)
         if step is None:
             return
         if source == "storage":  # a memory snapshot is no committed checkpoint: the age alert stays true
             self.metrics.checkpoint_committed(step, committed_at)
         self.beat.update(step=step, resumed_from=step)
+
+
+def _timed(call, *args) -> float:
+    """Seconds `call(*args)` took."""
+    started = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - started

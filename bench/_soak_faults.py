@@ -1,0 +1,253 @@
+"""The soak's faults, injected from outside longrun (not a bench itself): nothing here goes through
+longrun's own injector (`health.faults`), and nothing waits for a moment that suits the job
+(a snapshot just sent, a checkpoint just committed). A fault that needs something to hit (a
+training worker, a node holding one) waits until there is one: between attempts there is none.
+
+Each `inject_*` does the fault and returns what it did; a fault with a second half (the node
+comes back, the disk is freed, the frozen process is reaped) leaves it to `Deferred`, which the
+soak's loop runs when its condition holds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import psutil
+from _soak_probe import training_workers
+
+from longrun.checkpoint.layout import committed_steps, step_dir_name
+
+KINDS = ("worker_kill", "worker_stop", "node_loss", "redis_kill", "run_sigterm", "checkpoint_corrupt",
+         "disk_full")
+PRECONDITION_WAIT_S = 300.0  # how long a fault waits for something to hit before it is given up
+
+
+@dataclass
+class Deferred:
+    """The second half of a fault: `action` once `ready()` holds (checked by the soak's loop)."""
+
+    what: str
+    ready: Callable[[], bool]
+    action: Callable[[], None]
+
+
+class FaultError(RuntimeError):
+    """A fault could not be injected (nothing to hit in time, no tmpfs); the soak reports it."""
+
+
+def wait_for(what: str, found: Callable[[], Any], timeout: float = PRECONDITION_WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = found()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise FaultError(f"nothing to inject into: {what} for {timeout:g} s")
+        time.sleep(0.2)  # the job's processes and record change in other processes
+
+
+class Faults:
+    """The seven kinds, against one soak (`world`: its cluster, Redis, runner, disk, record)."""
+
+    def __init__(self, world, rng: random.Random):
+        self.world, self.rng = world, rng
+        self.stopped: list[psutil.Process] = []  # SIGSTOPped by us: reaped in cleanup()
+
+    def inject(self, kind: str) -> tuple[str, list[Deferred]]:
+        return getattr(self, f"_{kind}")()
+
+    # -- processes ----------------------------------------------------------------------------
+    def _victim(self) -> psutil.Process:
+        """A worker of the job while it trains (not one of an attempt being torn down)."""
+
+        def running_workers():
+            return (self.world.record() or {}).get("state") == "RUNNING" and training_workers()
+
+        return self.rng.choice(wait_for("a training worker", running_workers))
+
+    def _worker_kill(self):
+        victim = self._victim()
+        victim.send_signal(signal.SIGKILL)
+        return f"SIGKILL to worker pid {victim.pid}", []
+
+    def _worker_stop(self):
+        victim = self._victim()
+        victim.send_signal(signal.SIGSTOP)
+        self.stopped.append(victim)
+        started = time.monotonic()
+
+        def gone() -> bool:
+            return not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+
+        def reap() -> None:
+            if not gone():  # the controller did not kill it within the time: say so
+                self.world.note(f"worker pid {victim.pid} still frozen {time.monotonic() - started:.0f} s "
+                                "after its SIGSTOP; killed by the soak")
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    victim.kill()
+
+        return (f"SIGSTOP to worker pid {victim.pid}",
+                [Deferred("the frozen worker gone",
+                          lambda: gone() or time.monotonic() - started > 180, reap)])
+
+    # -- the cluster --------------------------------------------------------------------------
+    def _node_loss(self):
+        cluster = self.world.cluster
+
+        def job_node():
+            record = self.world.record() or {}
+            if record.get("state") != "RUNNING" or not training_workers():
+                return None
+            ids = set(json.loads(record.get("nodes", "[]")))
+            live = [n for n in cluster.list_all_nodes() if n.node_id in ids and not n.head]
+            return sorted(live, key=lambda n: n.node_id)
+
+        node = self.rng.choice(wait_for("a node running the job", job_node))
+        cluster.remove_node(node, allow_graceful=False)  # a lost host says nothing
+        back_after = self.rng.uniform(10.0, 40.0)
+        due = time.monotonic() + back_after
+
+        def give_back() -> None:
+            cluster.add_node(**self.world.node_args())
+            self.world.note("a node joined the cluster (the lost one's replacement)")
+
+        return (f"removed Ray node {node.node_id[:12]} (back in {back_after:.0f} s)",
+                [Deferred("the node back", lambda: time.monotonic() >= due, give_back)])
+
+    def _redis_kill(self):
+        outage = self.rng.uniform(2.0, 6.0)
+        self.world.redis.kill()
+        time.sleep(outage)  # the outage is the fault itself
+        self.world.redis.restart()
+        return f"SIGKILL to redis-server, restarted after {outage:.1f} s with its append-only file", []
+
+    # -- the job's process --------------------------------------------------------------------
+    def _run_sigterm(self):
+        runner = self.world.runner
+        pid = runner.pid
+        code = runner.terminate()  # waits for it to exit (the grace bounds its save)
+        if code == 0:
+            return f"SIGTERM to longrun run pid {pid}: it had finished the job (exit 0)", []
+        runner.start()
+        return f"SIGTERM to longrun run pid {pid}: exit {code}; rerun as pid {runner.pid}", []
+
+    # -- storage ------------------------------------------------------------------------------
+    def _checkpoint_corrupt(self):
+        fs, root = fsspec.core.url_to_fs(str(self.world.checkpoint_dir))
+
+        def newest_files():
+            for step in reversed(committed_steps(fs, root)):
+                directory = Path(root) / step_dir_name(step)
+                with contextlib.suppress(FileNotFoundError):
+                    files = sorted(p for p in directory.iterdir() if p.suffix == ".distcp")
+                    if files:
+                        return step, files
+            return None
+
+        step, files = wait_for("a committed checkpoint", newest_files)
+        target = self.rng.choice(files)
+        size = target.stat().st_size
+        offset = self.rng.randrange(max(1, size - 64))
+        with open(target, "r+b") as f:  # bit rot: flipped bits the checksums must catch
+            f.seek(offset)
+            chunk = f.read(64)
+            f.seek(offset)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+        return f"flipped 64 bytes at offset {offset} of {target.name} in checkpoint step {step}", []
+
+    def _disk_full(self):
+        disk = self.world.disk
+        if disk is None:
+            raise FaultError("no tmpfs for the checkpoints (not root, or mounting failed): "
+                             "the full-disk fault is skipped")
+        record = self.world.record() or {}
+        step = int(float(record.get("step", 0)))
+        interval = self.world.interval_steps
+        # Full until a save was due while it was full and the next one too (an asynchronous
+        # save's failure surfaces at the next save), or the job declared a fault.
+        until = (step // interval + 2) * interval + 1
+        filled = disk.fill()
+        started, wall = time.monotonic(), time.time()
+
+        def done() -> bool:
+            now = self.world.record() or {}
+            return (int(float(now.get("step", 0))) >= until or self.world.declared_since(wall)
+                    or time.monotonic() - started > 120)
+
+        def free() -> None:
+            disk.free()
+            self.world.note("the checkpoint disk has room again")
+
+        return (f"filled the checkpoint tmpfs ({filled / 2**20:.1f} MiB) at step {step}; freed at "
+                f"step {until} or at the next declared fault",
+                [Deferred("the disk freed", done, free)])
+
+    def cleanup(self) -> None:
+        for proc in self.stopped:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+class Tmpfs:
+    """A small tmpfs for the checkpoints (the full-disk fault), mounted in the soak's own mount
+    namespace where it can make one, so it vanishes with the soak whatever happens."""
+
+    def __init__(self, path: Path, size_mb: int):
+        self.path, self.size_mb = path, size_mb
+        self.filler = path / ".soak-filler"
+        self.mounted = False
+
+    def mount(self) -> str | None:
+        """Mount; None on success, else why not."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m", "soak-checkpoints",
+                               str(self.path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            return (done.stderr or done.stdout).strip() or f"mount exited {done.returncode}"
+        self.mounted = True
+        return None
+
+    def fill(self) -> int:
+        """Write until the disk is full; the bytes written."""
+        written, chunk = 0, b"\0" * (1 << 20)
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for size in (1 << 20, 1 << 12, 1):
+                while True:
+                    try:
+                        written += os.write(fd, chunk[:size])
+                    except OSError:  # ENOSPC: this size no longer fits
+                        break
+        finally:
+            os.close(fd)
+        return written
+
+    def free(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.filler.unlink()
+
+    def unmount(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+            self.mounted = False
+
+
+def private_mounts() -> bool:
+    """Move this process into a mount namespace of its own whose mounts do not propagate back,
+    so the tmpfs is never seen outside and dies with the soak. Must run before any thread."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        return False
+    return subprocess.run(["mount", "--make-rprivate", "/"], capture_output=True).returncode == 0

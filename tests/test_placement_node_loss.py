@@ -1,0 +1,116 @@
+"""Placing workers while Ray still lists a lost node as alive (its health checks have not
+given up yet) on a simulated 3-node cluster: a reservation pinned to a node that dies is
+chosen again among the live ones instead of waiting out its timeout, and a warm spare that
+died before its attempt started costs a second placement, not a restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from clusters import simulated_cluster
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from longrun.config import config_from_dict
+from longrun.controller.placement import alive_nodes, bundle_nodes, place
+from longrun.controller.workers import RayLauncher
+
+
+def job(name: str = "placement-loss", memory_interval_steps: int = 0):
+    return config_from_dict({
+        "job": {"name": name},
+        "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
+        "parallelism": {"dp": 4},
+        "checkpoint": {"memory_interval_steps": memory_interval_steps},
+    })
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster(3, 2) as (c, workers):
+        yield c, workers
+
+
+@ray.remote(num_cpus=2)
+class Occupier:
+    """Holds a node's every CPU, as another job's workers would."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def occupy(node_id: str):
+    actor = Occupier.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    ray.get(actor.ready.remote(), timeout=60)
+    return actor
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.1)  # polling Ray's control store, which has no notification for it
+
+
+def pending_group(name: str) -> bool:
+    return any(g["name"] == name and g["state"] == "PENDING"
+               for g in ray.util.placement_group_table().values())
+
+
+@pytest.mark.timeout(300)
+def test_a_reservation_pinned_to_a_node_that_dies_is_chosen_again_among_the_live(cluster):
+    c, workers = cluster
+    by_id = {w.node_id: w for w in workers}
+    # Nodes in the order placement considers them: the job's just-released node `lost` (counted
+    # free, though another job's actor fills it), a free one, and a busy one.
+    lost, free, busy = (n.node_id for n in alive_nodes() if n.node_id in by_id)
+    blockers = [occupy(lost), occupy(busy)]
+    result: dict = {}
+
+    def placing():
+        try:
+            result["placement"] = place(job(), timeout_s=240, name="pinned-to-lost", held=[lost])
+        except Exception as exc:  # reported by the assertion below
+            result["error"] = exc
+    thread = threading.Thread(target=placing, daemon=True)
+    thread.start()
+    wait_until(lambda: pending_group("pinned-to-lost"), "the reservation pending on the held node")
+    ray.kill(blockers[1])  # the busy node frees up: room enough without the lost one
+    c.remove_node(by_id[lost])
+    thread.join(240)
+    assert not thread.is_alive() and "error" not in result, result
+    placement = result["placement"]
+    try:
+        assert sorted(placement.node_ids) == sorted([free, busy])
+        assert sorted(set(bundle_nodes(placement))) == sorted([free, busy])
+    finally:
+        placement.remove()
+
+
+@pytest.mark.timeout(300)
+def test_a_warm_spare_that_died_costs_a_second_placement_not_a_restart(cluster):
+    # The first test's nodes are what is left: whichever two are alive and free.
+    wait_until(lambda: sum(n.available.get("CPU", 0) for n in alive_nodes()) >= 4, "two free nodes")
+    cfg = job("spare-died")
+    launcher = RayLauncher(spares=True)
+    try:
+        first = launcher(cfg, attempt=0, redis_url="redis://127.0.0.1:1/0", evicted=(),
+                         resume_before_step=None, timeout_s=60)
+        launcher.warm_spares()
+        ray.get(launcher._warming, timeout=120)
+        dead = launcher._spares[3]
+        ray.kill(dead, no_restart=True)  # after its warm-up answered: it looks ready
+        with pytest.raises(RayActorError):  # once it answers so, the spare is gone
+            ray.get(dead.node_id.remote(), timeout=60)
+        first.stop()
+        second = launcher(cfg, attempt=1, redis_url="redis://127.0.0.1:1/0", evicted=(),
+                          resume_before_step=None, timeout_s=60)
+        assert dead not in second.actors
+        where = ray.get([a.node_id.remote() for a in second.actors], timeout=60)
+        assert where == bundle_nodes(second.placement)
+        second.stop()
+    finally:
+        launcher.release()
