@@ -77,6 +77,11 @@ def job_goodput_key(job: str) -> str:
     return f"{job_prefix(job)}goodput"
 
 
+def job_controller_key(job: str) -> str:
+    """The controller's lease (controller/lease.py): one live controller per job name."""
+    return f"{job_prefix(job)}controller"
+
+
 def heartbeat_key(job: str, attempt: int, rank: int) -> str:
     return f"{attempt_prefix(job, attempt)}hb:{rank}"
 

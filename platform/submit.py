@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shlex
 import tempfile
 import time
@@ -68,12 +69,18 @@ def job_env(cfg: JobConfig) -> dict[str, str]:
             "RAY_JOB_STOP_WAIT_TIME_S": str(int(cfg.recovery.preemption_grace_s) + 30)}
 
 
+def submission_id_for(job: str) -> str:
+    """`longrun-<job>-<UTC time>-<6 hex digits>`: sortable by time, and two submissions of one
+    job within a second (a script, a retry) do not collide."""
+    return f"longrun-{job}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
 def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submitted:
     """Submit the controller for `cfg`, with this longrun shipped; `python` is the interpreter
     the entrypoint runs with on the cluster (on its PATH, or a path there; default python3)."""
     python = python or DEFAULT_PYTHON
     jobs = client(address)
-    submission_id = f"longrun-{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    submission_id = submission_id_for(cfg.job.name)
     # The preflight runs the command line after it; the cluster's address is where it runs.
     entrypoint = f"{shlex.quote(python)} -m longrun.preflight run config.yaml --set cluster.address=auto"
     with tempfile.TemporaryDirectory(prefix="longrun-submit-") as tmp:

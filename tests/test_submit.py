@@ -76,7 +76,7 @@ def test_submit_then_follow_status_and_list(head, cluster_python, repo_root, tmp
                   "--set", f"job.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"longrun-tiny-\d{8}-\d{6}", job_id), out.stdout
+    assert re.fullmatch(r"longrun-tiny-\d{8}-\d{6}-[0-9a-f]{6}", job_id), out.stdout
     assert re.search(r"with longrun 0\.\S+ \(source [0-9a-f]{12}, \d+ KiB\)", out.stderr), out.stderr
 
     follow = longrun("logs", job_id, "--address", address, "--follow", cwd=tmp_path)
@@ -174,3 +174,11 @@ def test_commands_without_a_cluster_address_say_how_to_give_one(tmp_path):
     out = subprocess.run([sys.executable, "-m", "longrun.cli", "list"], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 1 and "pass --address" in out.stderr
+
+
+def test_two_submissions_of_a_job_within_a_second_get_different_ids():
+    from longrun.submit import submission_id_for
+
+    ids = {submission_id_for("tiny") for _ in range(50)}  # well within one second
+    assert len(ids) == 50
+    assert all(re.fullmatch(r"longrun-tiny-\d{8}-\d{6}-[0-9a-f]{6}", i) for i in ids)

@@ -236,6 +236,24 @@ class CheckpointWriter:
                 os.fsync(f.fileno())
         return out.info()
 
+    def _check_visible(self, tmp: str, files: dict[str, ShardInfo]) -> None:
+        """Every file the ranks reported is where the restore will look, at the size written
+        (one listing): a rank that wrote to a directory of its own node (a checkpoint.dir not
+        shared) must fail the commit, not leave a manifest naming pieces no one else can read."""
+        try:
+            listed = {entry["name"].rsplit("/", 1)[-1]: entry.get("size")
+                      for entry in self.fs.ls(tmp, detail=True)}
+        except FileNotFoundError:
+            listed = {}
+        wrong = [f"{name} ({'missing' if name not in listed else f'{listed[name]} bytes, not {info.bytes}'})"
+                 for name, info in sorted(files.items())
+                 if name not in listed or (listed[name] is not None and listed[name] != info.bytes)]
+        if wrong:
+            raise CheckpointWriteError(
+                f"{len(wrong)} file(s) the ranks reported written are not in {tmp} as written: "
+                f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. checkpoint.dir must be one "
+                "directory every node shares")
+
     def _commit(self, job: SaveJob, tmp: str) -> None:
         if job.manifest is None:
             raise ValueError("the coordinator's save needs a manifest")
@@ -243,6 +261,7 @@ class CheckpointWriter:
             job.manifest.files = self.ledger.wait_all(job.step, self.world_size, self.commit_timeout_s)
         finally:
             self.ledger.clear(job.step)
+        self._check_visible(tmp, job.manifest.files)
         if any(info.items for info in job.manifest.files.values()):
             job.manifest.files[METADATA_FILE] = self._write_metadata(tmp, job.manifest.files)
         job.manifest.created_unix = time.time()

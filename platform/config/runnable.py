@@ -2,13 +2,15 @@
 
 A valid config (`JobConfig`) describes a job that makes sense; a runnable one is also a job
 the controller's workers can train here: no pipeline stages yet, something to split for
-dynamic CP, and a layout whose estimated memory fits `cluster.device_memory_gb`
-(`memory.py`). `longrun config validate`, `run` and `submit` all ask this one function, so
-validate never calls a config good that run would refuse.
+dynamic CP, a layout whose estimated memory fits `cluster.device_memory_gb` (`memory.py`),
+and, for a submitted job, checkpoints on a path every node resolves alike (absolute or a URL).
+`longrun config validate`, `run` and `submit` all ask this one function, so validate never
+calls a config good that run would refuse.
 """
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from longrun.config.memory import plan_problem
@@ -27,6 +29,13 @@ def runnable_problems(cfg: JobConfig, *, runs_here: bool = True) -> list[tuple[s
     `runs_here`: the job runs in this process's environment (`run`, `validate`); a submitted job
     runs in the cluster's, which supplies a password the URL only refers to."""
     problems = []
+    if not runs_here and (where := _relative_local_path(cfg.checkpoint_dir)):
+        knob = "checkpoint.dir" if cfg.checkpoint.dir else "job.output_dir"
+        problems.append((knob, f"the checkpoints would go to {where!r}, a relative path: each node of the "
+                         "cluster resolves it inside its own copy of the job's working directory, so ranks "
+                         "would commit to different disks and a restart on another node would find "
+                         "nothing. Give an absolute path on storage every node mounts, or a URL "
+                         "(s3://..., gs://...)"))
     if runs_here and is_reference(cfg.cluster.redis_url):
         try:
             resolve(cfg.cluster.redis_url)
@@ -49,6 +58,13 @@ def runnable_problems(cfg: JobConfig, *, runs_here: bool = True) -> list[tuple[s
     if memory:
         problems.append(("cluster.device_memory_gb", memory))
     return problems
+
+
+def _relative_local_path(path: str) -> str | None:
+    """`path` when it is a relative path on the local file system (no URL scheme), else None."""
+    if "://" in path:
+        path = path.split("://", 1)[1] if path.startswith("file://") else "/"
+    return None if PurePosixPath(path).is_absolute() else path
 
 
 def check_runnable(cfg: JobConfig, *, runs_here: bool = True) -> None:

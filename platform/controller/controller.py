@@ -51,6 +51,7 @@ from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
 from longrun.controller.elastic import Sizing, layout_key
 from longrun.controller.job_state import JobRecordStore, job_status
+from longrun.controller.lease import ControllerLease, ControllerRunning
 from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementImpossible, PlacementTimeout
 from longrun.controller.precheck import checkpoint_problem, fence_rollback
@@ -143,8 +144,16 @@ class Controller:
 
     # -- driving -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Run the job to its end; the summary of rank 0, or JobFailed with the reason."""
+        """Run the job to its end; the summary of rank 0, or JobFailed with the reason
+        (ControllerRunning, touching nothing, when a live controller runs this job name)."""
+        # Its own client (the renewals run in a thread of their own), as patient as the record's.
+        lease = ControllerLease(patient_client(self.redis_url, self.cfg.health.store_patience_s),
+                                self.cfg.job.name)
         try:
+            try:
+                lease.acquire()
+            except ControllerRunning as exc:
+                raise JobFailed(str(exc)) from exc
             while not self.machine.state.terminal:
                 self.step()
             if self.machine.state is JobState.FAILED:
@@ -160,7 +169,10 @@ class Controller:
                 f"({type(exc).__name__}: {exc}). Start the controller again with the same job name "
                 "once Redis is back: it continues from the record and the newest checkpoint.") from exc
         finally:
-            self._release()
+            try:
+                self._release()
+            finally:
+                lease.release()
         if self.machine.state is JobState.FAILED:
             raise JobFailed(self.failure)
         assert self.summary is not None  # SUCCEEDED, PREEMPTED, or STOPPED on request

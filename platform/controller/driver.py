@@ -34,11 +34,30 @@ def run_job(cfg: JobConfig, redis_url: str, *, on_event: Callable[[str], None] |
     cannot run the config, and JobFailed (with the reason) when the job ends FAILED (the
     controller's goodput line comes just before)."""
     check_runnable(cfg)
+    check_reachable(cfg, redis_url)
     controller = Controller(cfg, redis_url, on_event=on_event, poll_s=poll_s)
     with _stop_on_signals(controller, on_event or (lambda line: None)):
         summary = controller.run()
     goodput = controller.goodput.summary()
     return summary | {"goodput": round(goodput.goodput, 4), "goodput_line": goodput.describe()}
+
+
+def check_reachable(cfg: JobConfig, redis_url: str) -> None:
+    """Raise UnsupportedJob when the connected cluster has hosts the job's workers could not
+    reach its Redis from, or be scraped on (controller/reachability.py)."""
+    import ray
+
+    from longrun.controller.placement import alive_nodes
+    from longrun.controller.reachability import cluster_problems
+
+    nodes = alive_nodes()
+    here = ray.get_runtime_context().get_node_id()
+    driver = next((n.address for n in nodes if n.node_id == here), None)
+    if driver is None:  # a driver outside the cluster (Ray Client): every node is elsewhere
+        driver = ray.util.get_node_ip_address()
+    problems = cluster_problems(cfg, redis_url, driver, nodes)
+    if problems:
+        raise UnsupportedJob("\n".join(f"{path}: {why}" for path, why in problems))
 
 
 @contextlib.contextmanager

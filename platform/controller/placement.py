@@ -104,7 +104,7 @@ def alive_nodes() -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (n.address, n.node_id))
 
 
-def _eligible(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str]) -> list[NodeInfo]:
+def eligible_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = ()) -> list[NodeInfo]:
     """Live, never evicted nodes whose total resources hold a node's share of the job."""
     bundle, banned = worker_bundle(cfg), set(evicted)
     return [n for n in nodes if n.node_id not in banned
@@ -121,7 +121,7 @@ def placeable_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable
                     held: Iterable[str] = ()) -> int:
     """How many eligible nodes could take a node's share of the job now (see the module docstring)."""
     held = set(held)
-    return sum(1 for n in _eligible(cfg, nodes, evicted) if _free(cfg, n, held))
+    return sum(1 for n in eligible_nodes(cfg, nodes, evicted) if _free(cfg, n, held))
 
 
 def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = (),
@@ -133,7 +133,7 @@ def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[st
     banned, held = set(evicted), set(held)
     nodes = list(nodes)
     candidates = [n for n in nodes if n.node_id not in banned]
-    able = _eligible(cfg, nodes, banned)
+    able = eligible_nodes(cfg, nodes, banned)
     ready = [n for n in able if _free(cfg, n, held)]
     if len(able) < wanted:
         need = ", ".join(f"{amount * per_node:g} {name}" for name, amount in bundle.items())
@@ -158,7 +158,7 @@ def spare_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str
     job keeps busy is no spare. `own`: the nodes of the job's placement (the job's nodes are
     the first `cluster.nodes` free ones when it holds none)."""
     own = set(own)
-    free = [n for n in _eligible(cfg, nodes, evicted) if n.node_id not in own and _free(cfg, n, ())]
+    free = [n for n in eligible_nodes(cfg, nodes, evicted) if n.node_id not in own and _free(cfg, n, ())]
     return len(free) if own else max(0, len(free) - cfg.cluster.nodes)
 
 
@@ -201,7 +201,8 @@ def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.
                 raise PlacementTimeout(
                     f"{cfg.world_size} worker(s) on nodes {', '.join(n.address for n in nodes)} could not "
                     f"be reserved within {timeout_s:g} s: their resources are in use",
-                    available=placeable_nodes(cfg, now, evicted), existing=len(_eligible(cfg, now, evicted)),
+                    available=placeable_nodes(cfg, now, evicted),
+                    existing=len(eligible_nodes(cfg, now, evicted)),
                 )
             alive = {n.node_id for n in now}
             if any(n.node_id not in alive for n in nodes):

@@ -11,6 +11,7 @@ the group adds what only it knows: a dead rank whose node Ray reports dead is `n
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from longrun.checkpoint.shared import unseen_probes
 from longrun.config import JobConfig
 from longrun.controller.elastic import layout_key
 from longrun.controller.keepers import Keepers, keeper_targets, newest_committed_step
@@ -187,6 +189,7 @@ class RayLauncher:
         self._warming: list[Any] = []  # warm() refs of the spares
         self._cfg: JobConfig | None = None
         self._generation = 0  # of spares: actor names must stay unique after a promotion
+        self._shared_storage_seen: set[str] = set()  # nodes whose probe the controller read back
 
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
@@ -225,12 +228,44 @@ class RayLauncher:
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
             # A spare that died after warming, or a worker that never came up: start over clean
             # (the snapshot keepers stay: they hold what the next try restores from).
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            self._release_placement()
+            self._abandon(actors)
             raise LaunchFailed(f"attempt {attempt}'s workers did not start: {last_line(exc)[:300]}",
                                kind=fault_kind_of(unwrap(exc))) from exc
+        try:
+            self._check_shared_storage(cfg, actors, timeout_s)
+        except LaunchFailed:
+            self._abandon(actors)
+            raise
         return RayWorkerGroup(self.placement, actors)
+
+    def _abandon(self, actors: list[Any]) -> None:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        self._release_placement()
+
+    def _check_shared_storage(self, cfg: JobConfig, actors: list[Any], timeout_s: float) -> None:
+        """Before a node first trains: is cfg.checkpoint_dir the directory the controller reads
+        (checkpoint/shared.py)? One worker per node new to the job writes a probe; a node whose
+        probe the controller cannot read is a fatal error (it would be on any restart)."""
+        per_node, nodes = cfg.cluster.workers_per_node, self.placement.node_ids
+        fresh = [i for i, node in enumerate(nodes) if node not in self._shared_storage_seen]
+        if not fresh:
+            return
+        token = uuid.uuid4().hex[:12]
+        try:
+            ray.get([actors[i * per_node].write_probe.remote(token) for i in fresh], timeout=timeout_s)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            raise LaunchFailed(f"a worker could not write to checkpoint.dir {cfg.checkpoint_dir}: "
+                               f"{last_line(exc)[:300]}", kind=fault_kind_of(unwrap(exc))) from exc
+        unseen = unseen_probes(cfg.checkpoint_dir, token, [nodes[i] for i in fresh])
+        if unseen:
+            raise LaunchFailed(
+                f"checkpoint.dir {cfg.checkpoint_dir} is not one directory shared by every node: what "
+                f"the workers on node(s) {', '.join(n[:12] for n in unseen)} wrote there, the controller "
+                "cannot read. Every rank writes its pieces there and a restart on any node reads them: "
+                "use storage every node mounts at the same path, or a URL (s3://..., gs://...)",
+                kind=FaultKind.FATAL)
+        self._shared_storage_seen.update(nodes[i] for i in fresh)
 
     def spare_nodes(self, cfg: JobConfig, evicted: Iterable[str]) -> int | None:
         """Live nodes beyond the job's own placement (never evicted) whose free resources could

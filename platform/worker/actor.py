@@ -88,6 +88,13 @@ class TrainWorker:
 
         return ray.get_runtime_context().get_node_id()
 
+    def write_probe(self, token: str) -> None:
+        """Leave this node's probe in the checkpoint directory (checkpoint/shared.py)."""
+        from longrun.checkpoint.shared import write_probe
+
+        node = self.node_ids[self.rank // self.cfg.cluster.workers_per_node]
+        write_probe(self.cfg.checkpoint_dir, token, node)
+
     def diagnose(self) -> dict[str, Any]:
         """The self-checks of `recovery.diagnostics` on this worker; the collective check
         runs among the workers of this node (a group made for it over the Redis store)."""
