@@ -95,7 +95,8 @@ class Launcher:
     def release(self) -> None:
         self.released += 1
 
-    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=()):
+    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=(),
+                 cancelled=None):
         self.calls.append({"attempt": attempt, "evicted": set(evicted), "resume_before": resume_before_step})
         self.skips.append(skip_steps)
         if attempt in self.failures:

@@ -23,7 +23,7 @@ from controller_fakes import (
 )
 
 from longrun.controller.controller import Controller, JobFailed, job_status
-from longrun.controller.placement import PlacementImpossible, PlacementTimeout
+from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
 from longrun.controller.state import JobState
 from longrun.controller.workers import RankEnded
 
@@ -75,6 +75,27 @@ def test_a_stop_request_cuts_a_restarts_backoff_short(rig, redis_client):
     while not c.step().terminal:
         pass
     assert c.machine.state is JobState.PREEMPTED and len(launcher.calls) == 1
+
+
+def test_a_stop_request_gives_up_a_pending_placement(rig, redis_client):
+    make, *_ = rig
+    c = make(job("steps-stop-placing"))
+    assert c.step() is JobState.PLACING
+    asked = []
+
+    def placing(cfg, *, cancelled=None, **kw):
+        # A reservation waiting on busy nodes when the scheduler's SIGTERM arrives: the
+        # placement must hear of it at its next look, not after its timeout.
+        c.request_preemption("SIGTERM")
+        asked.append(cancelled is not None and cancelled())
+        raise PlacementCancelled("placing 4 worker(s) given up: the job was asked to stop")
+    c.launch = placing
+    assert c.step() is JobState.PLACING and asked == [True]
+    while not c.step().terminal:
+        pass
+    assert c.machine.state is JobState.PREEMPTED
+    events = job_status(redis_client, c.cfg.job.name, events=50)["events"]
+    assert not any(e["type"] == "decision" for e in events)  # no fault, no restart: a stop
 
 
 def test_a_dead_rank_restarts_under_the_next_attempt_after_the_backoff(rig, redis_client):

@@ -91,7 +91,8 @@ class ElasticLauncher:
     def free(self, evicted):
         return [n for n in self.live(evicted) if n not in self.busy]
 
-    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=()):
+    def __call__(self, cfg, *, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps=(),
+                 cancelled=None):
         self.tries += 1
         live, free = self.live(evicted), self.free(evicted)
         if len(live) < cfg.cluster.nodes:

@@ -1,7 +1,8 @@
 """Placing workers while Ray still lists a lost node as alive (its health checks have not
 given up yet) on a simulated 3-node cluster: a reservation pinned to a node that dies is
 chosen again among the live ones instead of waiting out its timeout, and a warm spare that
-died before its attempt started costs a second placement, not a restart."""
+died before its attempt started costs a second placement, not a restart. And a reservation
+waiting on busy nodes is given up as soon as the job is asked to stop."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from longrun.config import config_from_dict
-from longrun.controller.placement import alive_nodes, bundle_nodes, place
+from longrun.controller.placement import PlacementCancelled, alive_nodes, bundle_nodes, place
 from longrun.controller.workers import RayLauncher
 
 
@@ -114,3 +115,30 @@ def test_a_warm_spare_that_died_costs_a_second_placement_not_a_restart(cluster):
         second.stop()
     finally:
         launcher.release()
+
+
+@pytest.mark.timeout(300)
+def test_a_pending_reservation_is_given_up_when_the_job_is_asked_to_stop(cluster):
+    # Whatever nodes the tests before left: all of them busy with another job's actors.
+    wait_until(lambda: sum(n.available.get("CPU", 0) for n in alive_nodes()) >= 4, "the nodes free")
+    blockers = [occupy(n.node_id) for n in alive_nodes() if n.total.get("CPU", 0) >= 2]
+    stop = threading.Event()
+    result: dict = {}
+
+    def placing():
+        try:
+            result["placement"] = place(job(), timeout_s=240, name="asked-to-stop", cancelled=stop.is_set)
+        except Exception as exc:  # reported by the assertions below
+            result["error"] = exc
+    thread = threading.Thread(target=placing, daemon=True)
+    try:
+        thread.start()
+        wait_until(lambda: pending_group("asked-to-stop"), "the reservation pending on busy nodes")
+        stop.set()  # the scheduler's SIGTERM, as the controller hears it
+        thread.join(60)  # far below the placement's own 240 s timeout
+        assert not thread.is_alive(), "the pending reservation did not hear the stop"
+        assert isinstance(result.get("error"), PlacementCancelled), result
+        assert not pending_group("asked-to-stop")  # removed, not left to grab the nodes later
+    finally:
+        for blocker in blockers:
+            ray.kill(blocker)

@@ -53,7 +53,7 @@ from longrun.controller.elastic import Sizing, layout_key
 from longrun.controller.job_state import JobRecordStore, job_status
 from longrun.controller.lease import ControllerLease, ControllerRunning
 from longrun.controller.listeners import standard_listeners
-from longrun.controller.placement import PlacementImpossible, PlacementTimeout
+from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
 from longrun.controller.precheck import checkpoint_problem, fence_rollback
 from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.watch import Watcher
@@ -224,6 +224,8 @@ class Controller:
         except PlacementImpossible as exc:
             self._fail(str(exc))
             return
+        except PlacementCancelled:
+            return  # the next step acts on the stop request
         except LaunchFailed as exc:
             self._handle(self._decide([Incident(kind=exc.kind, rank=None, node=None, step=None,
                                                 at=self.wall(), detail=str(exc))], {}))
@@ -315,7 +317,8 @@ class Controller:
     def _launch(self, layout: JobConfig) -> WorkerGroup:
         return self.launch(layout, attempt=self.attempt.number, redis_url=self.redis_url,
                            evicted=self.record.evicted(), timeout_s=self.placement_timeout_s,
-                           resume_before_step=self.attempt.resume_before_step, skip_steps=self.record.skips())
+                           resume_before_step=self.attempt.resume_before_step, skip_steps=self.record.skips(),
+                           cancelled=lambda: self.stop_request is not None)
 
     def _place(self) -> JobConfig | None:
         """Place this attempt at the configured size, always tried first (so a restart grows

@@ -31,7 +31,7 @@ again every few seconds, and one whose node has died since is dropped and chosen
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,10 @@ from longrun.config import JobConfig
 
 NODE_ID_LABEL = "ray.io/node-id"
 RECHECK_S = 2.0  # how often a pending reservation looks whether one of its nodes has died
+
+
+class PlacementCancelled(RuntimeError):
+    """A pending placement given up because the job was asked to stop meanwhile."""
 
 
 class PlacementImpossible(RuntimeError):
@@ -180,9 +184,11 @@ class Placement:
 
 
 def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.0,
-          name: str = "", held: Iterable[str] = ()) -> Placement:
+          name: str = "", held: Iterable[str] = (), cancelled: Callable[[], bool] | None = None) -> Placement:
     """Reserve the job's workers on chosen nodes (see the module docstring). `held`: the nodes
-    of the job's own placement, just given back."""
+    of the job's own placement, just given back. `cancelled`: asked between looks at a pending
+    reservation; True gives it up (PlacementCancelled): a stop request must not wait out the
+    timeout, or a scheduler's grace period runs out first."""
     deadline = time.monotonic() + timeout_s
     per_node = cfg.cluster.workers_per_node
     while True:
@@ -195,6 +201,10 @@ def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.
             ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(RECHECK_S, left)))
             if ready:
                 return Placement(group, tuple(n.node_id for n in nodes), per_node)
+            if cancelled is not None and cancelled():
+                remove_placement_group(group)
+                raise PlacementCancelled(f"placing {cfg.world_size} worker(s) given up: the job was asked "
+                                         "to stop")
             now = alive_nodes()  # a pending group holds nothing (all or nothing): the view is the others'
             if left <= 0:
                 remove_placement_group(group)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -68,7 +68,8 @@ class Launcher(Protocol):
 
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
-                 skip_steps: Sequence[tuple[int, int]] = ()) -> WorkerGroup: ...
+                 skip_steps: Sequence[tuple[int, int]] = (),
+                 cancelled: Callable[[], bool] | None = None) -> WorkerGroup: ...
     def spare_nodes(self, cfg: JobConfig, evicted: Iterable[str]) -> int | None: ...
     def warm_spares(self) -> None: ...
     def release(self) -> None: ...
@@ -193,9 +194,11 @@ class RayLauncher:
 
     def __call__(self, cfg: JobConfig, *, attempt: int, redis_url: str, evicted: Iterable[str],
                  resume_before_step: int | None, timeout_s: float,
-                 skip_steps: Sequence[tuple[int, int]] = ()) -> RayWorkerGroup:
+                 skip_steps: Sequence[tuple[int, int]] = (),
+                 cancelled: Callable[[], bool] | None = None) -> RayWorkerGroup:
+        launch = (cfg, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps, cancelled)
         try:
-            return self._launch(cfg, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps)
+            return self._launch(*launch)
         except LaunchFailed as exc:
             if not isinstance(exc.__cause__, RayActorError):
                 raise
@@ -204,18 +207,18 @@ class RayLauncher:
             # alive. The next try places afresh, with the dead node noticed (place() looks
             # again); a restart spent on it would cost the budget and a backoff.
             log.warning("%s; placing the workers once more", exc)
-            return self._launch(cfg, attempt, redis_url, evicted, resume_before_step, timeout_s, skip_steps)
+            return self._launch(*launch)
 
     def _launch(self, cfg: JobConfig, attempt: int, redis_url: str, evicted: Iterable[str],
-                resume_before_step: int | None, timeout_s: float,
-                skip_steps: Sequence[tuple[int, int]]) -> RayWorkerGroup:
+                resume_before_step: int | None, timeout_s: float, skip_steps: Sequence[tuple[int, int]],
+                cancelled: Callable[[], bool] | None) -> RayWorkerGroup:
         held: tuple[str, ...] = ()  # the nodes this job just gave back: free to it, whatever Ray says yet
         if self.placement is not None and not self._reusable(cfg, set(evicted)):
             held = self.placement.node_ids
             self._release_placement()
         if self.placement is None:
             self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
-                                   name=f"longrun-{cfg.job.name}-a{attempt}", held=held)
+                                   name=f"longrun-{cfg.job.name}-a{attempt}", held=held, cancelled=cancelled)
         self._cfg = cfg
         actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
                                          for rank in range(cfg.world_size)]
