@@ -86,7 +86,9 @@ def submit(cfg: JobConfig, address: str, *, python: str | None = None) -> Submit
     with tempfile.TemporaryDirectory(prefix="longrun-submit-") as tmp:
         working_dir, modules = Path(tmp, "job"), Path(tmp, "modules")
         working_dir.mkdir()
-        (working_dir / "config.yaml").write_text(cfg.to_yaml())  # the password as a reference
+        # The password as a reference; a vocabulary this machine could not resolve (the
+        # tokenizer or shards are on the cluster only) is resolved there.
+        (working_dir / "config.yaml").write_text(cfg.to_yaml(pin_vocabulary=False))
         shipment = shipping.stage(modules)
         shipping.write_manifest(shipment, working_dir)
         redis_url = cfg.cluster.redis_url

@@ -1,14 +1,17 @@
 """What cannot work on a cluster of many hosts is refused before anything is placed, naming
 the setting to change: checkpoints on a relative path for a submitted job (each node would
 resolve it inside its own copy of the working directory); a Redis on loopback or /metrics bound
-to loopback when a node that may run workers is another host than the driver's."""
+to loopback when a node that may run workers is another host than the driver's. And paths that
+exist only on the cluster follow one rule at submit: checked there, not refused here."""
 
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from longrun.config import config_from_dict
+from longrun.config import ConfigError, config_from_dict
 from longrun.config.runnable import UnsupportedJob, check_runnable, runnable_problems
+from longrun.config.vocabulary import paths_elsewhere
 from longrun.controller.placement import NodeInfo
 from longrun.controller.reachability import cluster_problems, is_loopback
 
@@ -76,3 +79,25 @@ def test_a_node_too_small_for_workers_is_not_counted_as_a_host_they_may_run_on()
 ])
 def test_what_counts_as_loopback(host, loopback):
     assert is_loopback(host) is loopback
+
+
+def test_a_tokenizer_on_the_cluster_only_is_left_to_the_cluster_at_submit():
+    raw = {"job": {"name": "hosts"}, "data": {"source": "tokens", "path": "/cluster/shards",
+                                               "tokenizer": "/cluster/tokenizers/bpe"}}
+    with pytest.raises(ConfigError, match=r"data\.tokenizer: no tokenizer at /cluster/tokenizers/bpe"):
+        config_from_dict(raw)  # where the job runs, a missing tokenizer is an error
+    with paths_elsewhere():
+        cfg = config_from_dict(raw)
+    shipped = yaml.safe_load(cfg.to_yaml(pin_vocabulary=False))
+    assert "vocab_size" not in shipped["model"]  # resolved on the cluster, from its tokenizer
+    assert shipped["data"]["tokenizer"] == "/cluster/tokenizers/bpe"
+    assert yaml.safe_load(cfg.to_yaml())["model"]["vocab_size"] == 260  # what `config show` prints
+
+
+def test_a_given_or_resolved_vocabulary_stays_pinned_and_a_local_bad_tokenizer_is_still_refused(tmp_path):
+    given = config_from_dict({"job": {"name": "hosts"}, "model": {"vocab_size": 4096}})
+    assert yaml.safe_load(given.to_yaml(pin_vocabulary=False))["model"]["vocab_size"] == 4096
+    (tmp_path / "tok").mkdir()  # here, but no tokenizer.json in it: this machine's mistake
+    with paths_elsewhere(), pytest.raises(ConfigError, match="no tokenizer at"):
+        config_from_dict({"job": {"name": "hosts"}, "data": {"source": "tokens", "path": "/x",
+                                                            "tokenizer": str(tmp_path / "tok")}})

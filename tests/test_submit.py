@@ -14,8 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
-import venv
 from pathlib import Path
 
 import pytest
@@ -30,16 +28,10 @@ def longrun(*args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cluster_python(tmp_path_factory):
-    """A python with longrun's dependencies and without longrun: a fresh venv whose .pth adds
-    this venv's site-packages as a plain path (its own .pth files, the editable install's
-    finder among them, are not run)."""
-    env_dir = tmp_path_factory.mktemp("cluster-venv")
-    venv.EnvBuilder(with_pip=False).create(env_dir)
-    py = env_dir / "bin" / "python"
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "zz_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return py
+    """A python with longrun's dependencies and without longrun (testing/hosts.py)."""
+    from longrun.testing.hosts import python_without_longrun
+
+    return python_without_longrun(tmp_path_factory.mktemp("cluster-venv"))
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +143,8 @@ def test_status_reads_the_job_record_from_the_configured_redis(head, repo_root, 
 
 def test_submit_to_an_unreachable_cluster_is_a_clear_error(repo_root, tmp_path):
     address = f"http://127.0.0.1:{free_port()}"
-    out = longrun("submit", repo_root / "examples" / "tiny.yaml", "--address", address, cwd=tmp_path,
-                  timeout=120)
+    out = longrun("submit", repo_root / "examples" / "tiny.yaml", "--address", address,
+                  "--set", f"job.output_dir={tmp_path}", cwd=tmp_path, timeout=120)
     assert out.returncode == 1
     assert f"cannot reach the Ray Jobs API at {address}" in out.stderr
 

@@ -58,8 +58,10 @@ def _print_chunk(chunk: str) -> None:
 def cmd_submit(args) -> int:
     from longrun import submit
     from longrun.config.runnable import check_runnable
+    from longrun.config.vocabulary import paths_elsewhere
 
-    cfg = load(args)  # a bad config is refused here, before anything reaches the cluster
+    with paths_elsewhere():  # a tokenizer on the cluster only is checked there
+        cfg = load(args)  # a bad config is refused here, before anything reaches the cluster
     # ... and one this longrun cannot run (a layout that does not fit, ...); the cluster, not
     # this machine, supplies a Redis password the config only refers to.
     check_runnable(cfg, runs_here=False)

@@ -79,9 +79,14 @@ class JobConfig(Section):
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or str(PurePosixPath(self.run_dir) / "checkpoints")
 
-    def to_yaml(self) -> str:
-        """The resolved config (defaults filled in), loadable again with `load_config`."""
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+    def to_yaml(self, *, pin_vocabulary: bool = True) -> str:
+        """The resolved config (defaults filled in), loadable again with `load_config`. Without
+        `pin_vocabulary`, a model.vocab_size neither given nor resolved from a tokenizer is left
+        out, to be resolved where the config is loaded next (a submitted job's cluster)."""
+        data = self.model_dump(mode="json")
+        if not pin_vocabulary and "vocab_size" not in self.model.model_fields_set:
+            del data["model"]["vocab_size"]
+        return yaml.safe_dump(data, sort_keys=False)
 
     def fingerprint(self, *sections: str) -> str:
         """A short hash of the named sections (all when none), e.g. to refuse a checkpoint

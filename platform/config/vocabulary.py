@@ -13,12 +13,20 @@ Resolved when the config is validated, so `longrun config validate` already says
 Only JSON is read here (tokenizer.json, manifest.json), never the `tokenizers` library: config
 validation stays cheap and torch-free. A prepared directory that does not exist yet is not a
 config problem (it may be made later, or live on the cluster): opening the corpus checks it.
+
+One rule for paths of a submitted job (`paths_elsewhere`): `longrun submit` checks what exists
+on the submitting machine and leaves what does not to the cluster, which loads the shipped
+config again before it runs (a tokenizer there only, like `model.init_from`); and a vocabulary
+it could not resolve is not pinned in the shipped config (`JobConfig.to_yaml(pin_vocabulary=False)`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +36,18 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+# False while `longrun submit` loads a config: a tokenizer not on this machine may be the cluster's.
+_PATHS_HERE: ContextVar[bool] = ContextVar("longrun_paths_here", default=True)
+
+
+@contextmanager
+def paths_elsewhere() -> Iterator[None]:
+    """Validate configs for a job that runs elsewhere (see the module docstring)."""
+    token = _PATHS_HERE.set(False)
+    try:
+        yield
+    finally:
+        _PATHS_HERE.reset(token)
 # The byte tokenizer has no file; this names its one fixed mapping (ids 0-255 the UTF-8 bytes,
 # 256-258 BOS/EOS/PAD) whatever model.vocab_size pads it to, since the ids do not change.
 BYTE_TOKENIZER_SHA256 = hashlib.sha256(b"longrun byte tokenizer/1: 0-255 bytes, 256 BOS, 257 EOS, 258 PAD"
@@ -95,7 +115,9 @@ def resolve_vocabulary(cfg: JobConfig) -> list[tuple[str, str]]:
         try:
             tokenizer = read_tokenizer_file(str(data.tokenizer))
         except TokenizerFileError as exc:
-            return [("data.tokenizer", str(exc))]
+            if _PATHS_HERE.get() or Path(str(data.tokenizer)).expanduser().exists():
+                return [("data.tokenizer", str(exc))]
+            return []  # on the cluster only: checked there, and the vocabulary resolved there
         if data.source == "text":
             problems.append(("data.tokenizer", (
                 "the text source reads files at train time one byte per token, so it takes the "
