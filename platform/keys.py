@@ -14,7 +14,7 @@ of times, and nothing there is read again. Under an attempt's prefix:
              per step of the lowest rank, and each rank's restore; read by the controller before
              the attempt's keys go
 
-The job record (attempt counter, state, events, restarts, evictions, skips) and the goodput
+The job record (state, events, restarts, evictions, skips), the attempt counter and the goodput
 summary are job-wide: they must survive every attempt, and they are what `longrun status` reads.
 """
 
@@ -75,6 +75,31 @@ def job_stop_key(job: str) -> str:
 def job_goodput_key(job: str) -> str:
     """The goodput summary (a hash: seconds per bucket, goodput, wall time, recent faults)."""
     return f"{job_prefix(job)}goodput"
+
+
+def job_attempts_key(job: str) -> str:
+    """How many attempt numbers were handed out under the job name (`allocate_attempt`)."""
+    return f"{job_prefix(job)}attempts"
+
+
+# INCR, raised to at least ARGV[1] + 1 first: numbers follow the job record's after an upgrade
+# (a record older than the counter), and are never handed out twice.
+_ALLOCATE = """
+local n = redis.call('incr', KEYS[1])
+local floor = tonumber(ARGV[1]) + 1
+if n < floor then
+    redis.call('set', KEYS[1], floor)
+    n = floor
+end
+return n - 1
+"""
+
+
+def allocate_attempt(client: Any, job: str, at_least: int = 0) -> int:
+    """The next attempt number under `job` (0 first), never below `at_least`, from a counter in
+    Redis: two controllers that somehow ran at once (a lease lost with the store) would still
+    never share an attempt's keys."""
+    return int(client.eval(_ALLOCATE, 1, job_attempts_key(job), at_least))
 
 
 def job_controller_key(job: str) -> str:

@@ -1,7 +1,8 @@
 """One controller per job name (controller/lease.py), on a real Redis: a second controller for
 a live lease is refused with a sentence naming the holder and touches nothing of the running
 job; a dead controller's lease (never renewed) is taken over once it expires; a lease Redis
-lost is taken back by its holder; a finished controller gives its lease back."""
+lost is taken back by its holder; a finished controller gives its lease back. Attempt numbers
+come from a counter in Redis: never handed out twice, whoever asks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from longrun.controller.controller import JobFailed, job_status
 from longrun.controller.lease import ControllerLease, ControllerRunning
 from longrun.controller.placement import PlacementImpossible
 from longrun.controller.state import JobState
+from longrun.controller.workers import RankEnded
 
 TTL_S = 3.0  # short, so that expiry and renewal happen within a test; long beside a busy CI thread
 
@@ -120,3 +122,23 @@ def test_a_controller_holds_the_lease_while_it_runs_and_gives_it_back(redis_serv
         c.run()
     assert len(seen) == 1 and seen[0] is not None and json.loads(seen[0])["pid"] > 0
     assert redis_client.get(key) is None  # given back: a rerun need not wait out its expiry
+
+
+def test_attempt_numbers_come_from_the_store_and_are_never_handed_out_twice(redis_server, redis_client):
+    assert [keys.allocate_attempt(redis_client, "attempts") for _ in range(3)] == [0, 1, 2]
+    assert keys.allocate_attempt(redis_client, "attempts", at_least=7) == 7  # a record ahead of it
+    assert keys.allocate_attempt(redis_client, "attempts", at_least=2) == 8  # never back
+    # The controller takes its numbers there: a rerun after a preempted attempt 8 runs 9, and a
+    # restart in it 10, even with a number taken in between by someone else.
+    make, launcher, *_ = make_rig(redis_server.url)
+    cfg = job("attempts")
+    redis_client.hset(keys.job_record_key(cfg.job.name), mapping={"state": "PREEMPTED", "attempt": 8})
+    c = make(cfg)
+    drive_to_running(c)
+    assert c.attempt.number == 9
+    assert keys.allocate_attempt(redis_client, "attempts") == 10
+    launcher.groups[0].script.append([RankEnded(1, kind="dead", detail="rank 1 died")])
+    assert c.step() is JobState.RECOVERING
+    assert c.step() is JobState.PLACING and c.attempt.number == 11
+    c.step()
+    assert launcher.calls[-1]["attempt"] == 11

@@ -50,11 +50,13 @@ class Attempt:
     def live(self) -> bool:
         return self.group is not None
 
-    def next(self, recovery: Transition) -> Attempt:
-        """The attempt that answers `recovery` (the move into RECOVERING that ended this one)."""
+    def next(self, recovery: Transition, number: int | None = None) -> Attempt:
+        """The attempt that answers `recovery` (the move into RECOVERING that ended this one),
+        numbered `number` (the store's next, `keys.allocate_attempt`; default this one's + 1)."""
         history = self.monitor.loss_history if self.monitor is not None else self.loss_history
         reached = max(self.reached, self.lost_from or 0)  # an attempt that never trained lost nothing new
-        return Attempt(self.number + 1, recovery=recovery, loss_history=history, lost_from=reached)
+        return Attempt(self.number + 1 if number is None else number, recovery=recovery,
+                       loss_history=history, lost_from=reached)
 
     def watch(self, world_size: int, health: HealthSection, now: float) -> None:
         """Start judging this attempt's heartbeats (its ranks were just started)."""

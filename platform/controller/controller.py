@@ -290,7 +290,8 @@ class Controller:
             left -= BACKOFF_SLICE_S
         if self.stop_request is not None:
             return  # the next step() stops the job
-        self.attempt = self.attempt.next(recovery)
+        self.attempt = self.attempt.next(recovery, keys.allocate_attempt(self.client, self.cfg.job.name,
+                                                                        at_least=self.attempt.number + 1))
         self._move(JobState.PLACING, self._placing_reason())
 
     def _on_preempting(self) -> None:
@@ -491,17 +492,20 @@ class Controller:
                                           "restarts": self.record.restart_count()}
 
     def _resume_point(self) -> None:
-        """Pick the attempt number. Attempt ids are never reused under one job name (stale keys
-        of an old attempt must not meet a new one). A previous controller that did not finish
+        """Pick the attempt number, from the store's counter (`keys.allocate_attempt`). Attempt
+        ids are never reused under one job name (stale keys of an old attempt must not meet a
+        new one). A previous controller that did not finish
         is continued: same history, same evictions, the next attempt, and what its attempts
         left in Redis is deleted. A finished job's name starts a new run with a clean history."""
         previous = self.record.read()
         # Goodput continues after PREEMPTED (a SIGTERM and a rerun are one job) or a lost
         # controller, whose last attempt's ledger it reads before the keys below are deleted.
         self.goodput.resume(previous.state if previous else None, previous.attempt if previous else None)
+        job = self.cfg.job.name
         if previous is None:
+            self.attempt = Attempt(keys.allocate_attempt(self.client, job))
             return
-        self.attempt = Attempt(previous.attempt + 1)
+        self.attempt = Attempt(keys.allocate_attempt(self.client, job, at_least=previous.attempt + 1))
         keys.delete_attempts_before(self.client, self.cfg.job.name, self.attempt.number)
         if previous.state.terminal:
             self.record.reset()
