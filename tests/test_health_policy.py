@@ -265,6 +265,12 @@ def test_backoff_starts_again_from_the_base_once_the_job_trains_past_its_last_fa
     # The same faults, but this one came before the job got past step 40: it doubles per
     # restart back to the last one that was followed by progress (40 > 30).
     assert decide([Incident("dead", rank=0, step=40, at=NOW)], progressing, roomy, now=NOW).backoff_s == 2.0
+    # A dead process names no step: where the job had got to stands in for it.
+    dead = [Incident("dead", rank=0, at=NOW)]
+    assert decide(dead, progressing, roomy, now=NOW, reached_step=55).backoff_s == 1.0
+    assert decide(dead, progressing, roomy, now=NOW).backoff_s == 2.0  # unknown: no further than the last
+    restart = decide(dead, [], roomy, now=NOW, reached_step=55)
+    assert RestartRecord.of(restart, at=NOW, reached_step=55).step == 55
     stuck = [RestartRecord(at=NOW - 60.0 * (4 - k), cause="dead", step=40, rank=0) for k in range(4)]
     assert decide([Incident("dead", rank=0, step=40, at=NOW)], stuck, roomy, now=NOW).backoff_s == 16.0
 

@@ -517,7 +517,11 @@ class Controller:
         history = [RestartRecord.from_dict(r) for r in self.record.restarts()]
         return decide(incidents, history, self.cfg.recovery, now=self.wall(), failed_diagnostics=failed_nodes,
                       spare_nodes=self.launch.spare_nodes(self.layout, self.record.evicted()),
-                      restarts_total=self.record.restart_count())
+                      restarts_total=self.record.restart_count(), reached_step=self._reached())
+
+    def _reached(self) -> int:
+        """The newest step the job got to: this attempt's, or the last one's if it trained none."""
+        return max(self.attempt.reached, self.attempt.lost_from or 0)
 
     def _handle(self, decision: Decision) -> None:
         """Carry out a decision that ends the attempt: restart (maybe evicting) or give up."""
@@ -529,8 +533,8 @@ class Controller:
         for node in decision.evict_nodes:
             self.record.evict(node, decision.reason)
             self._event("evicted", f"node {node[:12]} will not be used again", node=node)
-        self.record.add_restart(RestartRecord.of(decision, at=self.wall()).to_dict(),
-                                window_s=self.cfg.recovery.restart_window_s)
+        restart = RestartRecord.of(decision, at=self.wall(), reached_step=self._reached())
+        self.record.add_restart(restart.to_dict(), window_s=self.cfg.recovery.restart_window_s)
         if decision.skip_steps is not None:  # kept for every later attempt, in the job record
             self.record.add_skip(*decision.skip_steps)
         if decision.resume_before_step is not None:  # the spiked path's checkpoints, for good

@@ -83,9 +83,11 @@ class RestartRecord:
                    rank=data.get("rank"), node=data.get("node"))
 
     @classmethod
-    def of(cls, decision: Decision, *, at: float) -> RestartRecord:
-        """The record to keep once `decision` has been carried out."""
+    def of(cls, decision: Decision, *, at: float, reached_step: int | None = None) -> RestartRecord:
+        """The record to keep once `decision` has been carried out; its step is the cause's, or
+        where the job had got to (`reached_step`) when the cause names none (a dead process)."""
         if decision.action not in RESTARTS or decision.cause is None:
             raise ValueError(f"only a restart decision with a cause is recorded, not {decision.action}")
         c = decision.cause
-        return cls(at=at, cause=c.kind, step=c.step, rank=c.rank, node=c.node)
+        return cls(at=at, cause=c.kind, step=c.step if c.step is not None else reached_step, rank=c.rank,
+                   node=c.node)

@@ -29,14 +29,17 @@ MAX_BACKOFF_S = 60.0
 
 def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,
            *, now: float, failed_diagnostics: Mapping[str, str] | None = None,
-           spare_nodes: int | None = None, restarts_total: int | None = None) -> Decision:
+           spare_nodes: int | None = None, restarts_total: int | None = None,
+           reached_step: int | None = None) -> Decision:
     """What to do about `incidents`, given the restarts in `history`.
 
     `failed_diagnostics` (node id -> reason) counts as one diagnostics_failed incident per node.
     `spare_nodes`: live nodes, beyond the job's and never evicted, that could take one of its
     nodes' place (None: unknown); a node is evicted for repeated faults only where one can.
     `restarts_total`: every restart so far, when `history` keeps only the recent ones (None:
-    `history` is all of them); recovery.max_restarts counts it.
+    `history` is all of them); recovery.max_restarts counts it. `reached_step`: the newest step
+    the job reached, what a fault that names no step of its own (a dead process) is placed at
+    when the backoff asks whether the job got further than its last fault.
     """
     facts = _gather(incidents, history, recovery, now, failed_diagnostics or {}, spare_nodes)
     used = max(len(history), restarts_total or 0)
@@ -49,7 +52,7 @@ def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], reco
     decision = _fold_in(decision, others, facts)
     if decision.action not in RESTARTS:
         return decision
-    return _within_budget(decision, facts, used)
+    return _within_budget(decision, facts, used, reached_step)
 
 
 def restart_budget_left(history: Sequence[RestartRecord], recovery: RecoverySection,
@@ -81,7 +84,7 @@ def _fold_in(decision: Decision, others: Sequence[Incident], f: Facts) -> Decisi
                    skip_steps=bad.skip_steps if bad else None)
 
 
-def _within_budget(decision: Decision, f: Facts, used: int) -> Decision:
+def _within_budget(decision: Decision, f: Facts, used: int, reached_step: int | None = None) -> Decision:
     r, in_window = f.recovery, len(f.recent)
     cause = cause_text(decision.cause)
     if used >= r.max_restarts:
@@ -94,7 +97,8 @@ def _within_budget(decision: Decision, f: Facts, used: int) -> Decision:
     # Doubling per restart that got no further gives a flapping dependency (storage, the store)
     # time to recover; a job that trains past its last fault starts again from the base backoff,
     # or a long job with a fault every few minutes would spend its hour waiting.
-    stalled = _restarts_without_progress(f.recent, decision.cause.step if decision.cause else None)
+    fault_step = decision.cause.step if decision.cause is not None else None
+    stalled = _restarts_without_progress(f.recent, reached_step if fault_step is None else fault_step)
     backoff = min(MAX_BACKOFF_S, r.restart_backoff_s * 2.0 ** min(stalled, 1000))
     return replace(decision, backoff_s=backoff, reason=extend(
         decision.reason, f"this is restart {used + 1} of {r.max_restarts}, {in_window + 1} of "
