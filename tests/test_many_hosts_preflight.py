@@ -1,10 +1,13 @@
 """What cannot work on a cluster of many hosts is refused before anything is placed, naming
 the setting to change: checkpoints on a relative path for a submitted job (each node would
 resolve it inside its own copy of the working directory); a Redis on loopback or /metrics bound
-to loopback when a node that may run workers is another host than the driver's. And paths that
-exist only on the cluster follow one rule at submit: checked there, not refused here."""
+to loopback when a node that may run workers is another host than the driver's. Paths that
+exist only on the cluster follow one rule at submit: checked there, not refused here. And gloo
+listens on the address Ray knows the node by, not the loopback a host name may resolve to."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import yaml
@@ -101,3 +104,18 @@ def test_a_given_or_resolved_vocabulary_stays_pinned_and_a_local_bad_tokenizer_i
     with paths_elsewhere(), pytest.raises(ConfigError, match="no tokenizer at"):
         config_from_dict({"job": {"name": "hosts"}, "data": {"source": "tokens", "path": "/x",
                                                             "tokenizer": str(tmp_path / "tok")}})
+
+
+def test_gloo_is_pinned_to_the_interface_of_the_address_ray_knows_the_node_by(monkeypatch):
+    import ray
+
+    from longrun.worker.setup import interface_of, pin_gloo_to_node_address
+
+    assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.1") is None  # TEST-NET: nowhere
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert pin_gloo_to_node_address() is None  # outside Ray: left to gloo
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    assert pin_gloo_to_node_address() == "lo" and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the operator's choice is kept
+    assert pin_gloo_to_node_address() == "eth7"

@@ -61,9 +61,39 @@ def join_groups(cfg: JobConfig, *, rank: int, attempt: int, redis_url: str, node
     # the controller placed it on (node_ids[r // workers_per_node]).
     nodes = [NodeSpec(f"{i:05d}-{n}") for i, n in enumerate(node_ids)]
     layout = make_layout(nodes, cfg.cluster.workers_per_node, cfg.dims)
+    if backend_for(device) == "gloo":
+        pin_gloo_to_node_address()
     return init_parallel_groups(redis_url, job=cfg.job.name, attempt=attempt, rank=rank,
                                 layout=layout, backend=backend_for(device),
                                 device=device if device.type == "cuda" else None)
+
+
+def pin_gloo_to_node_address() -> str | None:
+    """Make gloo listen on, and advertise, the address Ray knows this node by. Without
+    GLOO_SOCKET_IFNAME gloo takes the address the host name resolves to, which on many hosts
+    (containers, /etc/hosts with 127.0.1.1) is loopback: the peers on other hosts are then told
+    to connect to 127.0.0.1 and the world never forms. An operator's own GLOO_SOCKET_IFNAME is
+    kept. Returns the interface now in force (None: left to gloo, outside Ray)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return os.environ["GLOO_SOCKET_IFNAME"]
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    interface = interface_of(ray.util.get_node_ip_address())
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    return interface
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` (None: none here does)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addresses):
+            return name
+    return None
 
 
 def build_trainer(cfg: JobConfig, groups: ParallelGroups | None, device: torch.device, *,
