@@ -12,6 +12,7 @@ trained, naming the node.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import fsspec
@@ -33,15 +34,18 @@ def write_probe(checkpoint_dir: str, token: str, node: str) -> None:
 
 def unseen_probes(checkpoint_dir: str, token: str, nodes: Iterable[str]) -> list[str]:
     """On the controller: the nodes whose probe for `token` it cannot read back (the directory
-    is not one they share with it); the probes it found are removed."""
+    is not one they share with it). When every probe was seen, they are removed (the directory
+    holds only checkpoints again); one job has one controller, so no other probes are there."""
     unseen = []
     for node in nodes:
         fs, path = _probe_path(checkpoint_dir, token, node)
         try:
             if fs.cat_file(path) != node.encode():
                 unseen.append(node)
-                continue
-            fs.rm_file(path)
         except OSError:  # not there (FileNotFoundError), or unreadable: not shared either way
             unseen.append(node)
+    if not unseen:
+        fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+        with contextlib.suppress(OSError):
+            fs.rm(f"{root.rstrip('/')}/{PROBES}", recursive=True)
     return unseen
