@@ -20,12 +20,14 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SHARED_DIR = "/mnt/longrun-hosts/shared"  # the same directory on every host
 NODE_DIR = "/mnt/longrun-hosts/node"  # a directory of each host's own
+KEEP_DIR = "/mnt/longrun-hosts/keep"  # staging mountpoints for what a host's own /tmp must keep
 
 
 def python_without_longrun(env_dir: Path) -> Path:
@@ -124,10 +126,12 @@ class HostCluster:
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             # The anchor: a private mount namespace (shared dir, node dir, an empty /tmp) that
             # every later command of this host enters.
-            mounts = (f"mount --make-rprivate / && "
+            keep_before, keep_after = self._keep_under_tmp()
+            mounts = (f"mount --make-rprivate / && {keep_before}"
                       f"mount --bind {shlex.quote(str(self.shared))} {SHARED_DIR} && "
                       f"mount --bind {shlex.quote(str(host.node_dir))} {NODE_DIR} && "
-                      "mount -t tmpfs -o size=2g longrun-host-tmp /tmp && echo ready && exec sleep infinity")
+                      "mount -t tmpfs -o size=2g longrun-host-tmp /tmp && "
+                      f"{keep_after}echo ready && exec sleep infinity")
             host.anchor = subprocess.Popen(["ip", "netns", "exec", host.netns, "unshare", "--mount", "--",
                                             "sh", "-c", mounts], stdout=subprocess.PIPE, text=True)
             if host.anchor.stdout.readline().strip() != "ready":
@@ -152,6 +156,24 @@ class HostCluster:
             host.run([*ray, f"--address={self.head.address}:{port}", f"--node-ip-address={host.address}",
                       f"--num-cpus={node_cpus}"], env=env, timeout=180)
         return f"http://{self.head.address}:8265"
+
+    @staticmethod
+    def _keep_under_tmp() -> tuple[str, str]:
+        """Shell, before and after a host's /tmp is replaced, that puts back inside it what the
+        hosts' python needs from the real one: this interpreter's environment and longrun's
+        source, when they live under /tmp (a checkout there). Each is bound to a staging
+        mountpoint first, then from there to its own path in the new /tmp."""
+        import longrun
+
+        roots = {Path(sys.prefix).resolve(), Path(next(iter(longrun.__path__))).resolve().parent}
+        needed = sorted(p for p in roots if p.is_relative_to("/tmp"))
+        before = after = ""
+        for i, path in enumerate(needed):
+            stage, where = f"{KEEP_DIR}{i}", shlex.quote(str(path))
+            Path(stage).mkdir(parents=True, exist_ok=True)
+            before += f"mount --bind {where} {stage} && "
+            after += f"mkdir -p {where} && mount --bind {stage} {where} && "
+        return before, after
 
     def __exit__(self, *exc) -> None:
         for host in self.hosts:
