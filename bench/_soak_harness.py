@@ -353,6 +353,7 @@ class Soak:
             "steps_lost_max": max(lost) if lost else None,
             "redis_keys_max": keys["max"], "redis_keys": keys, "redis_restarts": self.redis.restarts,
             "rss_growth_mb": total_rss["growth"], "rss_mb": rss | {"total": total_rss},
+            "controller_loaded_torch": any(s.controller_torch for s in samples),
             "runs": len(self.runner.launches), "exit_codes": self.runner.exits, "notes": self.notes,
         }
 

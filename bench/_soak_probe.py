@@ -62,6 +62,7 @@ class Sample:
     rss_mb: dict[str, float]
     redis_keys: int | None
     state: str | None  # the job's, when sampled (None: Redis down)
+    controller_torch: bool = False  # torch's library is mapped into the controller (it never should be)
 
 
 @dataclass
@@ -102,7 +103,18 @@ class Probe:
                     rss[role] += proc.memory_info().rss / 2**20
         record = read_record(self.redis_url, self.job) if self.job else None
         return Sample(time.monotonic() - self.started, rss, redis_keys(self.redis_url),
-                      (record or {}).get("state"))
+                      (record or {}).get("state"), torch_loaded(self.controller_pid))
+
+
+def torch_loaded(pid: int | None) -> bool:
+    """Whether process `pid` has torch's shared library mapped (it imported torch)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return any("libtorch" in line for line in maps)
+    except OSError:
+        return False
 
 
 def redis_keys(url: str | None) -> int | None:

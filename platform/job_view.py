@@ -160,4 +160,9 @@ def event_line(event: dict[str, Any]) -> str:
     at = time.strftime("%H:%M:%S", time.localtime(event.get("at", 0)))
     if event.get("type") == "transition":
         return f"{at} state {event.get('to')}: {event.get('reason', '')}"
-    return f"{at} {event.get('type')}: {event.get('reason', '')}"
+    line = f"{at} {event.get('type')}: {event.get('reason', '')}"
+    if event.get("log_file"):  # a fault of one rank: where its log is, and how it ended
+        line += f"\n    log: {event['log_file']}"
+        parts = [part for last in event.get("last_lines", ()) for part in last.split("\n")]
+        line += "".join(f"\n    | {part}" for part in parts)
+    return line

@@ -13,6 +13,8 @@ of times, and nothing there is read again. Under an attempt's prefix:
     ledger:  the step ledger (goodput/ledger.py): the last step each rank finished, one record
              per step of the lowest rank, and each rank's restore; read by the controller before
              the attempt's keys go
+    logs:    the ranks' log lines (worker/rank_log.py), consumed by the controller into
+             <output_dir>/<job>/logs/attempt-A/rank-R.log
 
 The job record (state, events, restarts, evictions, skips), the attempt counter and the goodput
 summary are job-wide: they must survive every attempt, and they are what `longrun status` reads.
@@ -128,6 +130,11 @@ def ledger_steps_key(job: str, attempt: int) -> str:
 def ledger_restored_key(job: str, attempt: int) -> str:
     """Rank -> JSON of what the rank restored at the attempt's start, and when training began."""
     return f"{attempt_prefix(job, attempt)}ledger:restored"
+
+
+def rank_logs_key(job: str, attempt: int) -> str:
+    """The attempt's ranks' log lines, JSON each (a list, consumed by the controller)."""
+    return f"{attempt_prefix(job, attempt)}logs"
 
 
 def store_prefix(job: str, attempt: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import shlex
 import tempfile
@@ -138,6 +139,22 @@ def logs(address: str, submission_id: str, *, follow: bool, write: Callable[[str
             write(chunk)
 
     asyncio.run(tail())
+
+
+_FILES = re.compile(r"files: ranks' logs in (\S+)/logs\b")
+
+
+def run_dir_of(address: str, submission_id: str) -> str:
+    """The job's directory on the cluster's head, as its controller printed it."""
+    try:
+        text = client(address).get_job_logs(submission_id)
+    except RuntimeError as exc:
+        raise SubmitError(f"no job {submission_id!r} on {address}: {exc}") from exc
+    found = _FILES.findall(text)
+    if not found:
+        raise SubmitError(f"job {submission_id}'s controller has not said where its files are (yet); "
+                          "its log holds no line starting with 'files: '")
+    return found[-1]
 
 
 def stop(address: str, submission_id: str, *, force: bool = False, redis_url: str | None = None,

@@ -10,6 +10,9 @@ from longrun.services import EmbeddedRedis
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# A test's own `ray.init()` must not write ~/.ray/auth_token: with it there, Ray turns token auth on
+# for every later head on this machine (services/ray_head.py).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")

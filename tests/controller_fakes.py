@@ -4,6 +4,8 @@ heartbeats published into a real Redis as the workers would."""
 
 from __future__ import annotations
 
+import tempfile
+
 from longrun.config import config_from_dict
 from longrun.controller.controller import Controller
 from longrun.controller.state import JobState
@@ -12,11 +14,14 @@ from longrun.health.heartbeat import HeartbeatPublisher
 
 WORLD = 4
 NODES = ("node-a", "node-b")
+# Where a job without an output_dir of its own keeps its journal and TensorBoard files: not the
+# repository's runs/ (removed when the test process ends).
+_OUTPUT = tempfile.TemporaryDirectory(prefix="longrun-fakes-")
 
 
 def job(name: str, output_dir: str | None = None, **recovery):
     return config_from_dict({
-        "job": {"name": name} | ({"output_dir": output_dir} if output_dir else {}),
+        "job": {"name": name, "output_dir": output_dir or _OUTPUT.name},
         "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
         "parallelism": {"dp": WORLD},
         "training": {"steps": 10},

@@ -131,7 +131,8 @@ def test_ended_attempts_leave_no_keys_behind(rig, redis_client):
     drive_to_running(c)
     for attempt in range(3):
         _fill_attempt(redis_client, cfg, attempt)
-        assert len(_attempt_keys(redis_client, cfg.job.name)) == 4 + 4  # 4 heartbeats, 4 others
+        # 4 heartbeats, 4 others, and the ranks' log list the controller opened (rank_logs.py)
+        assert len(_attempt_keys(redis_client, cfg.job.name)) == 4 + 4 + 1
         launcher.groups[-1].script.append([RankEnded(1, kind="dead", detail="rank 1's process died")])
         assert c.step() is JobState.RECOVERING
         assert _attempt_keys(redis_client, cfg.job.name) == []
@@ -160,8 +161,11 @@ def test_a_continuing_controller_deletes_what_the_dead_one_left(rig, redis_clien
     assert len(_attempt_keys(redis_client, other.job.name)) == 8
 
 
-def test_the_controller_never_imports_torch():
+def test_the_controller_never_imports_torch(tmp_path):
+    # ... nor do the writers it runs for the user (TensorBoard's event files, the journal).
     code = ("import longrun.controller.controller, longrun.controller.driver, sys; "
+            "from longrun.observability.tensorboard import TensorBoardWriter; "
+            f"w = TensorBoardWriter({str(tmp_path)!r}); w.step(1, {{'loss': 1.0}}); w.event('e'); w.close(); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -30,12 +30,16 @@ class Beat:
 class Ledger:
     def __init__(self):
         self.calls: list[tuple] = []
+        self.metrics = []
 
     def restored(self, step, source, seconds) -> None:
         self.calls.append(("restored", step, source, seconds))
 
-    def step(self, step, **blocked) -> None:
+    def step(self, step, metrics=None, **blocked) -> None:
         self.calls.append(("step", step, {k: round(v, 6) for k, v in blocked.items()}))
+        self.metrics.append(metrics)
+
+    metrics: list  # what each step record carries for the driver's progress line
 
 
 class Save:
@@ -95,6 +99,8 @@ def test_each_step_is_on_the_ledger_before_faults_fire_with_its_blocked_seconds(
         ("step", 2, {"data_s": 0.2, "checkpoint_s": 0.35, "snapshot_s": 0.0}),  # the save at step 2
     ]
     assert faults.seen == [(1, ("step", 1)), (2, ("step", 2))]
+    # Each trained step's metrics ride on its record: the driver's progress line comes from them.
+    assert [m["loss"] for m in ledger.metrics] == [2.0, 2.0] and ledger.metrics[0]["tokens"] == 64
 
 
 def test_a_skipped_step_goes_on_the_ledger_too():
@@ -103,4 +109,5 @@ def test_a_skipped_step_goes_on_the_ledger_too():
     hooks.ledger = ledger
     hooks.after_skipped_step(7)
     assert [c[:2] for c in ledger.calls] == [("step", 7)]
+    assert ledger.metrics == [None]  # nothing trained: no metrics to show
     assert ledger.calls[0][2]["checkpoint_s"] == pytest.approx(0.0, abs=1e-3)

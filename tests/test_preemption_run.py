@@ -38,9 +38,11 @@ JOB = {
     "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2},
     "checkpoint": {"interval_steps": 8, "keep_last": 10},
     "recovery": {"preemption_grace_s": GRACE_S},
-    # Steps of a quarter second (rank 0 waits, the others with it): the log a test reads trails
-    # the job by up to a second, and the signal must land mid-run.
-    "health": {"faults": [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.25}]},
+    # Steps of a quarter second (rank 0 waits, the others with it) in every attempt: the log a
+    # test reads (the driver's progress lines, one heartbeat poll behind) trails the job by up
+    # to a second, and the signal must land mid-run.
+    "health": {"faults": [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.25, "attempt": a}
+                          for a in range(3)]},
 }
 _STEP = re.compile(rf"step\s+(\d+)/{STEPS}\s+loss")
 

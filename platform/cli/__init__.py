@@ -27,11 +27,11 @@ import os
 
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli import checkpoint, config, dashboards, data, doctor, jobs, run
+from longrun.cli import checkpoint, config, dashboards, data, doctor, jobs, report, run
 from longrun.cli.common import console, job_errors
 from longrun.config import ConfigError
 
-FAMILIES = (run, jobs, config, doctor, checkpoint, data, dashboards)  # in the order --help lists them
+FAMILIES = (run, jobs, config, doctor, checkpoint, data, dashboards, report)  # in the order --help lists them
 
 __all__ = ["build_parser", "main"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.markup import escape
 from rich_argparse import RichHelpFormatter
 
@@ -29,11 +31,19 @@ def add_parsers(sub) -> None:
         ("stop", "stop a job", cmd_stop),
     ):
         p = sub.add_parser(name, formatter_class=RichHelpFormatter, help=summary, description=summary)
-        p.add_argument("id", help="the submission id `longrun submit` printed")
+        p.add_argument("id", help="the submission id `longrun submit` printed"
+                       + (", or a job's directory with --rank" if name == "logs" else ""))
         p.add_argument("--address", default=None, help=ADDRESS_HELP)
         p.set_defaults(func=func)
     sub.choices["logs"].add_argument("--follow", "-f", action="store_true",
                                      help="keep streaming until the job ends")
+    sub.choices["logs"].add_argument(
+        "--rank", type=int, default=None, metavar="R",
+        help="one rank's own log instead of the job's; ID may then also be the job's directory "
+        "(<output_dir>/<job>). A submitted job's files are on the cluster's head: readable here only "
+        "where this machine sees that path")
+    sub.choices["logs"].add_argument("--attempt", type=int, default=None, metavar="A",
+                                     help="with --rank: that attempt's log (default: the newest)")
     sub.choices["stop"].add_argument(
         "--force", action="store_true",
         help="stop at once without saving (default: every worker saves at the next step boundary "
@@ -106,7 +116,32 @@ def cmd_status(args) -> int:
 def cmd_logs(args) -> int:
     from longrun import submit
 
-    submit.logs(address(args), args.id, follow=args.follow, write=_print_chunk)
+    if args.rank is None:
+        if os.path.isdir(args.id):
+            console.print(f"{escape(args.id)} is a job's directory: pass --rank R for one rank's log, or "
+                          f"run `longrun report {escape(args.id)}`", highlight=False)
+            return 2
+        submit.logs(address(args), args.id, follow=args.follow, write=_print_chunk)
+        return 0
+    return _rank_log(args)
+
+
+def _rank_log(args) -> int:
+    from longrun import submit
+    from longrun.controller.rank_logs import find_rank_log
+
+    run_dir = args.id if os.path.isdir(args.id) else submit.run_dir_of(address(args), args.id)
+    try:
+        path = find_rank_log(run_dir, args.rank, args.attempt)
+    except FileNotFoundError as exc:
+        console.print(f"[red]{escape(str(exc))}[/]"
+                      + ("" if os.path.isdir(args.id) else " (the files are on the cluster's head)"),
+                      highlight=False)
+        return 1
+    console.print(f"rank {args.rank}: {path}", highlight=False)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for chunk in iter(lambda: f.read(1 << 16), ""):
+            _print_chunk(chunk)
     return 0
 
 

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich_argparse import RichHelpFormatter
 
 from longrun.cli.common import add_config_args, console, load
+from longrun.cli.job_console import JobConsole
 
 
 def add_parsers(sub) -> None:
@@ -24,11 +25,13 @@ def add_parsers(sub) -> None:
 
 def cmd_run(args) -> int:
     cfg = load(args)
-    from longrun.services.ray_head import LOOPBACK_ENV
+    from longrun.services.ray_head import embedded_env
 
     if cfg.cluster.address is None:
         # Ray reads these when it is first imported, so before anything imports it.
-        os.environ.update(LOOPBACK_ENV)
+        os.environ.update(embedded_env(dict(os.environ)))
+    if not console.is_terminal:  # piped or in a file: what Ray itself prints, without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from longrun.config.runnable import check_runnable
 
     check_runnable(cfg)  # before any service starts
@@ -79,10 +82,10 @@ def _run_with_services(cfg) -> dict:
                 head = stack.enter_context(EmbeddedRay(num_cpus=max(os.cpu_count() or 1, cfg.world_size)))
             address = head.address
             console.print(f"ray: embedded head at {address}, dashboard {head.dashboard_url}")
-        ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=True)
+        # Ranks' output goes to their log files (<output_dir>/<job>/logs/), not through Ray to
+        # this console, which shows the job as one: its progress lines and state changes.
+        ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=False)
         stack.callback(ray.shutdown)
 
-        def on_event(line: str) -> None:
-            console.print(f"[cyan]{escape(line)}[/]", highlight=False)
-
-        return run_job(cfg, redis_url, on_event=on_event)
+        with JobConsole(console, cfg.training.steps) as shown:
+            return run_job(cfg, redis_url, on_event=shown.line)

@@ -290,7 +290,8 @@ class TrainingSection(Section):
     grad_sync_bucket_mb: PositiveFloat = Field(
         25.0, description="Data-parallel gradient bucket size; smaller starts communication sooner."
     )
-    log_every: PositiveInt = 1
+    log_every: PositiveInt = Field(
+        1, description="The job's progress line (printed by the driver) every this many steps, and the last.")
 
 
 class CheckpointSection(Section):
@@ -411,3 +412,11 @@ class ObservabilitySection(Section):
         "(if anything scraped it) so Prometheus records the final state and the alert fires.")
     grafana_url: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tensorboard: bool = Field(
+        True, description="The controller writes TensorBoard event files to <output_dir>/<job>/tb/: "
+        "loss, grad norm, lr, tokens/s, MFU, step time, data wait, checkpoint and restore seconds, "
+        "and the job's events as text (`tensorboard --logdir <output_dir>/<job>/tb`).")
+    wandb: Literal["off", "offline", "online"] = Field(
+        "off", description="Also log the step metrics and events to Weights & Biases, where the "
+        "`wandb` package is installed: offline (files under <output_dir>/<job>/wandb, `wandb sync` "
+        "later) or online (needs WANDB_API_KEY on the controller's machine).")

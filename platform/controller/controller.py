@@ -40,6 +40,7 @@ started again with the same job name continues with the next attempt.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +56,9 @@ from longrun.controller.lease import ControllerLease, ControllerRunning
 from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
 from longrun.controller.precheck import checkpoint_problem, fence_rollback
+from longrun.controller.rank_logs import RankLogs
 from longrun.controller.state import JobState, JobStateMachine
+from longrun.controller.user_view import user_view_listeners
 from longrun.controller.watch import Watcher
 from longrun.controller.workers import Launcher, LaunchFailed, RayLauncher, WorkerGroup
 from longrun.goodput.tracker import GoodputTracker
@@ -78,6 +81,7 @@ class StoreUnavailable(RuntimeError):
     """Redis stayed unreachable past health.store_patience_s: the job record cannot be kept."""
 
 
+RUN_FILES_PREFIX = "files: "  # the line naming the job's files (`longrun logs --rank` reads it)
 BACKOFF_SLICE_S = 1.0  # a restart's backoff is slept in slices, so a stop request is heard
 
 
@@ -119,15 +123,27 @@ class Controller:
         # Where the wall time goes, from the workers' step ledger (goodput/); a job-wide summary.
         self.goodput = GoodputTracker(cfg.job.name, self.client, self.watch_client, wall=wall,
                                       window_steps=max(4096, 2 * cfg.checkpoint.interval_steps))
+        # The ranks' log lines into files, and the warnings they share printed once.
+        rank_logs = RankLogs(cfg.job.name, cfg.run_dir, self.watch_client, self.client, self.on_event)
         self.listeners = standard_listeners(cfg, self.record, self.on_event, self.metrics, self.targets,
                                             JobRecordStore(self.watch_client, cfg.job.name),
-                                            self.launch.warm_spares, self.goodput)
+                                            self.launch.warm_spares, self.goodput, rank_logs.last_lines)
+        self.listeners.listeners.append(rank_logs)
+        # What the user looks at: the progress line, the journal, TensorBoard.
+        self.listeners.listeners += user_view_listeners(
+            cfg, self.on_event, lambda: self.layout.dims.layout_name, self.goodput)
+        self.goodput.subscribers.append(self.listeners)  # the step ledger's records, as they are read
         self.watcher = Watcher(cfg, self.watch_client, self.listeners,
                                poll_s=poll_s or cfg.health.heartbeat_interval_s, clock=clock, wall=wall,
                                ledger=self.goodput)
         if self._address:
             self.on_event(f"metrics: http://{self._address}/metrics, service discovery "
                           f"http://{self._address}/sd")
+        run_dir = os.path.abspath(cfg.run_dir)
+        self.on_event(f"{RUN_FILES_PREFIX}ranks' logs in {os.path.join(run_dir, 'logs')}"
+                      + (f", TensorBoard in {os.path.join(run_dir, 'tb')}" if cfg.observability.tensorboard
+                         else "")
+                      + f"; `longrun report {run_dir}` draws the job")
 
     @property
     def attempt_number(self) -> int:

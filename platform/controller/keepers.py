@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from longrun.checkpoint.layout import committed_steps
 from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.config import JobConfig
+from longrun.failures import carried
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class SnapshotCommitter:
     """Plain class; `Keepers.persist` makes it a short-lived Ray actor. It runs in a process of
     its own because committing reads and writes tensors (torch): the controller never does."""
 
+    @carried  # its errors may be torch's: they reach the controller torch-free
     def commit(self, config: dict[str, Any], restore: dict[str, Any]) -> int:
         from longrun.worker.snapshots import commit_from_keepers  # torch: in the actor's process only
 

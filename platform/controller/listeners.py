@@ -25,13 +25,20 @@ from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
 from longrun.controller.job_state import JobRecordStore
 from longrun.controller.state import JobState, Transition
+from longrun.goodput.accounting import StepRecord
 from longrun.goodput.tracker import GoodputTracker
+from longrun.health.decisions import PRECEDENCE
 from longrun.health.heartbeat import Heartbeat
 from longrun.health.policy import Action, Incident
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import write_file_sd
 
 log = logging.getLogger(__name__)
+
+LAST_LINES = 10  # of a rank at fault, in its fault event
+CONSOLE_LINES = 3  # of those, on the console (of the most telling fault only)
+# (attempt, rank) -> (the rank's log file, its last lines): controller/rank_logs.py
+LastLines = Callable[[int, int], tuple[str, list[str]]]
 
 
 class Listener:
@@ -45,6 +52,9 @@ class Listener:
     def trained(self, attempt: Attempt) -> None: ...
     def ending(self, attempt: Attempt) -> None: ...
     def ended(self, attempt: Attempt) -> None: ...
+    # What the step ledger says, as the goodput tracker reads it (by attempt number):
+    def resumed(self, attempt: int, step: int | None, source: str, seconds: float) -> None: ...
+    def steps(self, attempt: int, records: list[StepRecord]) -> None: ...
 
 
 class Listeners(Listener):
@@ -77,6 +87,12 @@ class Listeners(Listener):
     def ended(self, *args: Any) -> None:
         self._all("ended", args)
 
+    def resumed(self, *args: Any) -> None:
+        self._all("resumed", args)
+
+    def steps(self, *args: Any) -> None:
+        self._all("steps", args)
+
     def _all(self, hook: str, args: tuple[Any, ...]) -> None:
         for listener in self.listeners:
             getattr(listener, hook)(*args)
@@ -85,8 +101,9 @@ class Listeners(Listener):
 class EventLog(Listener):
     """The job's event log in Redis (what `longrun status` shows) and the operator's lines."""
 
-    def __init__(self, record: JobRecordStore, on_event: Callable[[str], None]):
-        self.record, self.on_event = record, on_event
+    def __init__(self, record: JobRecordStore, on_event: Callable[[str], None],
+                 last_lines: LastLines | None = None):
+        self.record, self.on_event, self.last_lines = record, on_event, last_lines
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
         self.record.record_transition(move, attempt.number)
@@ -97,16 +114,53 @@ class EventLog(Listener):
         self.on_event(f"{kind}: {message}")
 
     def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
-        for i in incidents:
-            self.event("fault", attempt, i.detail, {"fault": i.kind, "rank": i.rank, "node": i.node,
-                                                    "step": i.step})
+        # The most telling fault first (a dead rank explains its peers' errors): only its last
+        # lines go to the console; every fault's go to the record.
+        incidents = sorted(incidents, key=lambda i: PRECEDENCE.index(i.kind))
+        for n, i in enumerate(incidents):
+            if i.rank is None or self.last_lines is None:
+                self.event("fault", attempt, i.detail, fault_extra(i))
+                continue
+            # Where to look: the rank's log file, and its last lines in the event (what
+            # `longrun status` shows; the node may be gone, the record is not).
+            path, lines = self.last_lines(attempt.number, i.rank)
+            self.record.event("fault", attempt.number, i.detail, **fault_extra(i, path),
+                              last_lines=lines[-LAST_LINES:])
+            self.on_event(f"fault: {i.detail}; its last lines are in {path}")
+            for line in lines[-CONSOLE_LINES:] if n == 0 else ():  # a record's first line; all in the file
+                self.on_event(f"  rank {i.rank}| {first_line(line)}")
+
+    def resumed(self, attempt: int, step: int | None, source: str, seconds: float) -> None:
+        if step is None:
+            return
+        message = resumed_message(step, source, seconds)
+        self.record.event("resumed", attempt, message, step=step, source=source, seconds=round(seconds, 3))
+        self.on_event(message)
+
+
+def first_line(text: str, limit: int = 240) -> str:
+    """A log record's first line, cut at `limit` characters: one console line per record."""
+    line = text.split("\n", 1)[0]
+    cut = len(line) > limit or "\n" in text
+    return line[:limit] + (" ..." if cut else "")
+
+
+def fault_extra(incident: Incident, log_file: str | None = None) -> dict[str, Any]:
+    """A declared fault's fields in the event log and the journal."""
+    extra = {"fault": incident.kind, "rank": incident.rank, "node": incident.node, "step": incident.step}
+    return extra | {"log_file": log_file} if log_file else extra
+
+
+def resumed_message(step: int, source: str, seconds: float) -> str:
+    what = "the memory snapshot" if source == "memory" else "the checkpoint"
+    return f"resumed from {what} of step {step} (restored in {seconds:.1f} s)"
 
 
 class MetricsListener(Listener):
     """The controller's Prometheus series (see observability/controller_metrics.py)."""
 
     def __init__(self, metrics: ControllerMetrics, record: JobRecordStore, cfg: JobConfig):
-        self.metrics, self.record, self.steps = metrics, record, cfg.training.steps
+        self.metrics, self.record, self.total_steps = metrics, record, cfg.training.steps
         self.metrics.set_size(cfg.cluster.nodes, cfg.world_size)  # until an elastic job resizes
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
@@ -117,7 +171,7 @@ class MetricsListener(Listener):
         if move.target in (JobState.PLACING, JobState.RECOVERING):
             self.metrics.set_evicted(len(self.record.evicted()))
         if move.target is JobState.SUCCEEDED:
-            self.metrics.set_step(attempt.summaries[0]["step"], self.steps)
+            self.metrics.set_step(attempt.summaries[0]["step"], self.total_steps)
 
     def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
         if kind == "recovered" and not _resized(attempt):  # a grow is no fault to recover from
@@ -141,7 +195,7 @@ class MetricsListener(Listener):
         for b in live:
             node = attempt.group.node_of(b.rank)
             self.metrics.heartbeat_age(b.rank, node, max(0.0, wall - b.sent_at), sent_at=b.sent_at)
-        self.metrics.set_step(min(b.step for b in live), self.steps)
+        self.metrics.set_step(min(b.step for b in live), self.total_steps)
 
     def ended(self, attempt: Attempt) -> None:
         self.metrics.forget_ranks()  # its ranks are gone; the next attempt may place them elsewhere
@@ -246,11 +300,14 @@ class GoodputListener(Listener):
 def standard_listeners(cfg: JobConfig, record: JobRecordStore, on_event: Callable[[str], None],
                        metrics: ControllerMetrics, targets: Callable[[], list[dict]],
                        progress: JobRecordStore, warm_spares: Callable[[], None],
-                       goodput: GoodputTracker | None = None) -> Listeners:
-    """What every controller has listening: the event log (and `on_event` lines), metrics,
-    scrape targets (`targets`), progress in the job record (`progress`: on a client that fails
-    fast), the launcher's spares (`warm_spares`) and goodput (`goodput`)."""
-    listeners: list[Listener] = [EventLog(record, on_event), MetricsListener(metrics, record, cfg),
+                       goodput: GoodputTracker | None = None,
+                       last_lines: LastLines | None = None) -> Listeners:
+    """What every controller has listening: the event log (and `on_event` lines; a fault names
+    its rank's log file and last lines, from `last_lines`), metrics, scrape targets (`targets`),
+    progress in the job record (`progress`: on a client that fails fast), the launcher's spares
+    (`warm_spares`) and goodput (`goodput`)."""
+    listeners: list[Listener] = [EventLog(record, on_event, last_lines),
+                                 MetricsListener(metrics, record, cfg),
                                  Discovery(cfg, targets), ProgressRecord(progress), SpareWarmer(warm_spares)]
     if goodput is not None:
         listeners.append(GoodputListener(goodput, metrics, on_event))

@@ -14,19 +14,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import pydantic
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from longrun.failures import RankFailure, fault_kind_of
 from longrun.kinds import FaultKind
 
 __all__ = ["RankEnded", "dead_nodes", "describe", "draining_nodes", "fault_kind_of", "last_line",
            "outcome", "unwrap"]
-
-# Errors that recur on any node and in any attempt: user code that does not import or parse,
-# and a config the workers reject.
-_FATAL_TYPES = (ImportError, SyntaxError, pydantic.ValidationError)
-
 
 @dataclass(frozen=True)
 class RankEnded:
@@ -41,13 +36,6 @@ class RankEnded:
     @property
     def finished(self) -> bool:
         return self.kind is None
-
-
-def fault_kind_of(error: BaseException) -> str:
-    """What kind of fault an error a rank raised is (see the module docstring)."""
-    if isinstance(error, _FATAL_TYPES):
-        return FaultKind.FATAL
-    return str(getattr(error, "fault_kind", FaultKind.EXCEPTION))
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -70,10 +58,11 @@ def describe(rank: int, error: BaseException) -> str:
     that (the peer's own death is the fault; this rank is a messenger), not as the backend's
     message with its source path."""
     text = str(error)
+    name = error.short_name if isinstance(error, RankFailure) else type(error).__name__
     if any(sign in text for sign in _PEER_GONE):
         return (f"rank {rank} lost its connection to a peer in the middle of a collective "
-                f"({type(error).__name__}): a peer's process likely died")
-    return f"rank {rank} raised {type(error).__name__}: {last_line(error)}"
+                f"({name}): a peer's process likely died")
+    return f"rank {rank} raised {name}: {last_line(error)}"
 
 
 def dead_nodes(node_ids: Iterable[str]) -> set[str]:

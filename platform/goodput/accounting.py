@@ -64,6 +64,10 @@ class StepRecord:
     checkpoint_s: float = 0.0
     snapshot_s: float = 0.0
     data_s: float = 0.0
+    # The step's training metrics by name (StepMetrics.report(): loss, grad_norm, lr, tokens,
+    # tokens_per_s, ...), for the driver's progress line and the journal; None for a step whose
+    # data was skipped.
+    metrics: dict[str, Any] | None = None
 
     @property
     def start(self) -> float:
@@ -77,7 +81,7 @@ class StepRecord:
         d = json.loads(raw)
         return cls(step=int(d["step"]), end=float(d["end"]), seconds=float(d["seconds"]),
                    checkpoint_s=float(d.get("checkpoint_s", 0.0)), snapshot_s=float(d.get("snapshot_s", 0.0)),
-                   data_s=float(d.get("data_s", 0.0)))
+                   data_s=float(d.get("data_s", 0.0)), metrics=d.get("metrics"))
 
 
 @dataclass(frozen=True)

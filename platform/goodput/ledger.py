@@ -8,8 +8,9 @@ controller's last read):
 
     ledger:done       hash   rank -> the last step that rank finished (every rank)
     ledger:steps      list   one JSON StepRecord per step of the lowest rank: its end, the wall
-                             seconds since the record before (or since training began), and the
-                             seconds blocked on a checkpoint, a snapshot and the data
+                             seconds since the record before (or since training began), the
+                             seconds blocked on a checkpoint, a snapshot and the data, and its
+                             metrics (the driver's progress line; observability/progress.py)
     ledger:restored   hash   rank -> JSON Restore: the step restored (null: none), its source,
                              seconds, and `at`, when it finished: the time training began
 
@@ -31,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -84,15 +86,16 @@ class StepLedger:
         self.flush()
 
     def step(self, step: int, *, checkpoint_s: float = 0.0, snapshot_s: float = 0.0,
-             data_s: float = 0.0) -> None:
-        """This rank finished `step`, everything due after it included."""
+             data_s: float = 0.0, metrics: dict[str, Any] | None = None) -> None:
+        """This rank finished `step`, everything due after it included; `metrics`: what it
+        trained (None: a skipped step)."""
         end = self.clock()
         if self.writes_steps:
             if len(self._pending) >= self._max_pending:
                 self._pending.popleft()
                 self.dropped += 1
             self._pending.append(StepRecord(step, end, end - self._last_end, checkpoint_s, snapshot_s,
-                                            data_s).to_json())
+                                            data_s, metrics).to_json())
         self._last_end = end
         self._done = step
         self.flush()

@@ -18,16 +18,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
-from longrun.goodput.accounting import Carried, GoodputAccount, Restore
+from longrun.goodput.accounting import Carried, GoodputAccount, Restore, StepRecord
 from longrun.goodput.ledger import LedgerRead, LedgerReader
 from longrun.goodput.summary import GoodputSummary, delete_summary, read_summary, write_summary
 from longrun.kinds import JobState
 
 log = logging.getLogger(__name__)
+
+
+class LedgerSubscriber(Protocol):
+    def resumed(self, attempt: int, step: int | None, source: str, seconds: float) -> None: ...
+    def steps(self, attempt: int, records: list[StepRecord]) -> None: ...
 
 
 class GoodputTracker:
@@ -42,6 +47,10 @@ class GoodputTracker:
         self._restores: dict[int, Restore] = {}  # rank -> restore, of the attempt read
         self._resumed = False  # every rank of the attempt read has restored (applied)
         self._recovery: dict[int, tuple[int, int]] = {}  # attempt -> (step restored, steps lost)
+        # Told what the ledger says as it is read, in order: `resumed(attempt, step, source, s)`
+        # once every rank restored, then `steps(attempt, records)` (the progress line, the
+        # journal, TensorBoard): the records are consumed here, so this is their one reader.
+        self.subscribers: list[LedgerSubscriber] = []
 
     # -- the controller's life ----------------------------------------------------------------
     def resume(self, previous_state: str | None, previous_attempt: int | None) -> None:
@@ -145,6 +154,9 @@ class GoodputTracker:
             if len(self._restores) >= self._world or (final and (read.steps or read.last_done)):
                 self._resume(attempt)
         self.account.steps(attempt, read.steps)
+        if read.steps:
+            for subscriber in self.subscribers:
+                subscriber.steps(attempt, read.steps)
 
     def _resume(self, attempt: int) -> None:
         restores = list(self._restores.values())
@@ -155,3 +167,7 @@ class GoodputTracker:
         self.account.resumed(attempt, step, source)
         self._recovery = {attempt: (step, max(0, reached - step))}
         self._resumed = True
+        restored = step if any(r.step is not None for r in restores) else None
+        seconds = max(r.seconds for r in restores)  # the slowest rank's restore held the others
+        for subscriber in self.subscribers:
+            subscriber.resumed(attempt, restored, source, seconds)

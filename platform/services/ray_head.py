@@ -25,6 +25,17 @@ LOOPBACK = "127.0.0.1"
 # embedded head is single-node, so keep every Ray server (GCS, raylet, client server,
 # dashboard) on loopback. Drivers connecting to it need the same environment.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# Ray (2.5x+) turns token authentication on for any head started where ~/.ray/auth_token exists
+# (one local `ray.init()` writes it), and then refuses every client that lacks the token:
+# longrun's own driver, its readiness check, `longrun submit`. The embedded head listens on
+# loopback only; unless the user chose a mode (RAY_AUTH_MODE with its token in RAY_AUTH_TOKEN,
+# which longrun's processes inherit), it runs without tokens, as before such a file existed.
+AUTH_DEFAULT = {"RAY_AUTH_MODE": "disabled"}
+
+
+def embedded_env(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of an embedded head and of the processes that talk to it."""
+    return {**AUTH_DEFAULT, **environ, **LOOPBACK_ENV}
 
 
 class EmbeddedRay:
@@ -78,7 +89,7 @@ class EmbeddedRay:
         ]
         if self.num_cpus is not None:
             argv.append(f"--num-cpus={self.num_cpus}")
-        env = dict(os.environ, **LOOPBACK_ENV)
+        env = embedded_env(dict(os.environ))
         # Jobs submitted to this head run `python ...` in its environment: make that this
         # interpreter (the one with longrun installed), whether or not a venv is activated.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -138,5 +149,7 @@ class EmbeddedRay:
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 return response.status == 200
+        except urllib.error.HTTPError as exc:  # it answers: up (a 401 is token auth, the user's choice)
+            return exc.code == 401
         except (urllib.error.URLError, OSError):
             return False

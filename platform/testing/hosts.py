@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from longrun.services.ray_head import AUTH_DEFAULT
+
 SHARED_DIR = "/mnt/longrun-hosts/shared"  # the same directory on every host
 NODE_DIR = "/mnt/longrun-hosts/node"  # a directory of each host's own
 KEEP_DIR = "/mnt/longrun-hosts/keep"  # staging mountpoints for what a host's own /tmp must keep
@@ -146,7 +148,7 @@ class HostCluster:
         """A Ray head on the first host (its Jobs API at http://<address>:8265) and a node on each
         other, all running `python` (first on their PATH, so a job's `python3` is it too);
         returns the Jobs API address."""
-        env = {**os.environ, **(env or {}), "RAY_USAGE_STATS_ENABLED": "0",
+        env = {**AUTH_DEFAULT, **os.environ, **(env or {}), "RAY_USAGE_STATS_ENABLED": "0",
                "PATH": os.pathsep.join([str(Path(python).parent), os.environ.get("PATH", "")])}
         ray = [str(python), "-m", "ray.scripts.scripts", "start", "--disable-usage-stats"]
         self.head.run([*ray, "--head", f"--node-ip-address={self.head.address}", f"--port={port}",

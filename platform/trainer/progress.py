@@ -1,12 +1,14 @@
-"""What a step reports: `StepMetrics`, and the one-line-per-step progress printer."""
+"""What a step reports: `StepMetrics`, and the one-line-per-step printer of a trainer run on its
+own (in a job, ranks print no step lines: the driver shows the job's, observability/progress.py)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import asdict, dataclass
+
+from longrun.observability.progress import format_step
 
 
 @dataclass
@@ -21,10 +23,19 @@ class StepMetrics:
     data_wait_s: float  # time blocked on the data pipeline
     mfu: float | None  # model FLOPs utilisation; None without a peak FLOPs figure
     memory_bytes: int  # peak CUDA memory allocated this step, or the process's peak RSS on CPU
+    # The global batch's tokens (loss tokens, every rank of the span together) and their rate:
+    # the job's throughput, which the driver's progress line shows. 0: not known.
+    global_tokens: int = 0
+    global_tokens_per_s: float = 0.0
 
-
-def _hms(seconds: float) -> str:
-    return str(timedelta(seconds=round(max(seconds, 0.0))))
+    def report(self) -> dict[str, float | int | None]:
+        """What the driver shows of this step (rides on the step ledger to the controller):
+        the job's tokens and rate where known, this rank's otherwise."""
+        out = asdict(self)
+        del out["step"], out["global_tokens"], out["global_tokens_per_s"]
+        if self.global_tokens:
+            out["tokens"], out["tokens_per_s"] = self.global_tokens, self.global_tokens_per_s
+        return out
 
 
 class ProgressPrinter:
@@ -52,14 +63,4 @@ class ProgressPrinter:
     def format(self, m: StepMetrics, elapsed_s: float) -> str:
         done = max(m.step - self._first_step, 1)
         eta = elapsed_s / done * max(self.total_steps - m.step, 0)
-        parts = [
-            f"step {m.step}/{self.total_steps}", f"loss {m.loss:.4f}",
-            f"grad_norm {m.grad_norm:.2f}", f"lr {m.lr:.1e}", f"tok/s {m.tokens_per_s:,.0f}",
-        ]
-        if m.mfu is not None:
-            parts.append(f"mfu {100 * m.mfu:.1f}%")
-        parts.append(f"mem {m.memory_bytes / 2**30:.2f}GiB")
-        parts += [f"elapsed {_hms(elapsed_s)}", f"eta {_hms(eta)}"]
-        if self.layout:
-            parts.append(f"layout {self.layout}")
-        return "  ".join(parts)
+        return format_step(asdict(m), self.total_steps, elapsed_s=elapsed_s, eta_s=eta, layout=self.layout)

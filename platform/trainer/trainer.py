@@ -279,11 +279,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
         step_time = time.perf_counter() - start
+        # Every rank drew the whole global batch (or summed its count), so each knows its tokens.
+        global_tokens = work.loss_tokens if work.loss_tokens is not None else 0
         return StepMetrics(
             step=self.step, loss=loss_value, grad_norm=grad_norm_value, lr=lr, tokens=work.tokens,
             tokens_per_s=work.tokens / step_time, step_time_s=step_time, data_wait_s=wait,
             mfu=flops / step_time / self.peak_flops if self.peak_flops else None,
             memory_bytes=peak_memory_bytes(self.device),
+            global_tokens=global_tokens, global_tokens_per_s=global_tokens / step_time,
         )
 
     def train(self, steps: int | None = None,

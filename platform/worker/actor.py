@@ -9,17 +9,22 @@ for the controller, metrics for operators, checkpoints, injected faults.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from longrun import keys
 from longrun.config import JobConfig
+from longrun.failures import carried
 from longrun.goodput.ledger import StepLedger, step_ledger_client
 from longrun.health.heartbeat import HeartbeatPublisher
 from longrun.kinds import FaultKind, Phase
 from longrun.observability.discovery import advertised_address
 from longrun.observability.metrics import WorkerMetrics
 from longrun.services.redis_client import patient_client, quick_client
+from longrun.worker.rank_log import RankLogShipper
+
+log = logging.getLogger(__name__)
 
 
 class InitFromSkipped(RuntimeError):
@@ -36,7 +41,8 @@ class InitFromSkipped(RuntimeError):
 
 
 class TrainWorker:
-    """Plain class; the controller wraps it with `ray.remote(...)` and its resources.
+    """Plain class; the controller wraps it with `ray.remote(...)` and its resources. Every
+    remote method's error reaches the controller as a torch-free RankFailure (failures.py).
 
     An actor is created blank and is given its place in a job with `assume()`. That split is
     what makes warm spares possible: a spare is started ahead of need, `warm()` imports torch
@@ -49,6 +55,7 @@ class TrainWorker:
         self.metrics_port: int | None = None
         self._groups = None  # the attempt's communication groups, torn down when run() ends
 
+    @carried
     def warm(self) -> float:
         """Import what a run needs, before it is needed; the seconds it took."""
         import time
@@ -67,6 +74,7 @@ class TrainWorker:
 
         return time.perf_counter() - start
 
+    @carried
     def assume(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
                node_ids: list[str] | None = None, resume_before_step: int | None = None,
                skip_steps: list[tuple[int, int]] | None = None,
@@ -88,6 +96,7 @@ class TrainWorker:
 
         return ray.get_runtime_context().get_node_id()
 
+    @carried
     def write_probe(self, token: str) -> None:
         """Leave this node's probe in the checkpoint directory (checkpoint/shared.py)."""
         from longrun.checkpoint.shared import write_probe
@@ -95,6 +104,7 @@ class TrainWorker:
         node = self.node_ids[self.rank // self.cfg.cluster.workers_per_node]
         write_probe(self.cfg.checkpoint_dir, token, node)
 
+    @carried
     def diagnose(self) -> dict[str, Any]:
         """The self-checks of `recovery.diagnostics` on this worker; the collective check
         runs among the workers of this node (a group made for it over the Redis store)."""
@@ -115,12 +125,17 @@ class TrainWorker:
         return {"node": report.node, "rank": report.rank, "ok": report.ok, "reason": report.reason,
                 "checks": [(c.name, c.ok, c.seconds, c.detail) for c in report.checks]}
 
+    @carried
     def run(self) -> dict[str, Any]:
         """Join the groups, build the trainer, restore, train to the end; rank's summary."""
         cfg = self.cfg
         # Heartbeats fail fast (the next interval retries); commit reports must survive a
         # Redis restart, so they go through the patient client.
         client = quick_client(self.redis_url)
+        # This rank's log lines go to the controller (its log file, shared warnings once), not
+        # through Ray to the console; shipped on a client that fails fast, like the ledger's.
+        shipper = RankLogShipper(step_ledger_client(self.redis_url), cfg.job.name, self.attempt,
+                                 self.rank).start()
         ledger_client = patient_client(self.redis_url, cfg.health.store_patience_s)
         # The step ledger (goodput) is written every step: a Redis away must not stall training.
         self.step_ledger = StepLedger(step_ledger_client(self.redis_url), cfg.job.name, self.attempt,
@@ -138,6 +153,10 @@ class TrainWorker:
             beat.update(phase=Phase.SETUP, metrics_addr=address)
             summary = self._train(beat, metrics, ledger_client, client)
         except BaseException as exc:
+            # Into this rank's log file too (the traceback Ray prints goes only to Ray's log).
+            log.error("rank %d stops: %s: %s", self.rank, type(exc).__name__, exc,
+                      exc_info=not isinstance(exc, KeyboardInterrupt),
+                      extra={"console": False})  # the controller reports it as a fault
             step = getattr(exc, "step", None)
             if getattr(exc, "fault_kind", None) == FaultKind.NAN and step is not None:
                 beat.update(step=step - 1, loss=None, loss_finite=False)  # the step did not happen
@@ -150,6 +169,8 @@ class TrainWorker:
             client.close()
             ledger_client.close()
             self.step_ledger.client.close()
+            shipper.close()
+            shipper.client.close()
         beat.stop(final_phase=Phase.DONE)
         return summary | {"rank": self.rank, "metrics_port": self.metrics_port}
 

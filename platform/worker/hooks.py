@@ -102,7 +102,7 @@ class StepHooks:
         self.beat.update(step=m.step, loss=m.loss if finite else None, loss_finite=finite,
                          step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
                          memory_bytes=m.memory_bytes)
-        self._step_done(m.step)
+        self._step_done(m.step, m.report())
 
     def after_skipped_step(self, step: int) -> None:
         """A step whose data the policy skipped: no training metrics (nothing was trained),
@@ -111,14 +111,14 @@ class StepHooks:
         self.beat.update(step=step)
         self._step_done(step)
 
-    def _step_done(self, step: int) -> None:
-        """What is due once `step` is done, trained or skipped."""
+    def _step_done(self, step: int, metrics: dict | None = None) -> None:
+        """What is due once `step` is done, trained (with its `metrics`) or skipped."""
         self._blocked["checkpoint_s"] += _timed(self.checkpoint_if_due, step)
         if self.snapshots is not None and self.snapshots.due(step):
             # a host copy; sent to the keepers in the background
             self._blocked["snapshot_s"] += _timed(self.snapshots.take, self.trainer)
         if self.ledger is not None:
-            self.ledger.step(step, **self._blocked)
+            self.ledger.step(step, **self._blocked, metrics=metrics)
         self._blocked = dict.fromkeys(self._blocked, 0.0)
         if self.faults is not None:
             self.faults.after_step(step)

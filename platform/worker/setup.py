@@ -103,14 +103,15 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None, device: torch.d
     each span rank draws its own share of the global batch; with it, every rank of the span
     draws the same global batch and the plan splits it. Where the weights are sharded (fsdp
     or tp > 1) the trainer gets the device mesh built on the groups already formed.
-    `resuming`: a restore will replace the initial weights, so model.init_from is not read."""
+    `resuming`: a restore will replace the initial weights, so model.init_from is not read.
+    Ranks print no step lines: the driver shows the job's (observability/progress.py)."""
     peak = peak_flops(device, cfg.cluster.peak_tflops)
     mesh = groups.device_mesh(device.type) if groups is not None and cfg.dims.sharded else None
     replicas = replicas_of(groups)
     if not cfg.dims.cp_enabled:
         dp_group = groups.dp_cp if groups else None
         trainer = Trainer(cfg, device, dp_group=dp_group, mesh=mesh, peak_flops=peak,
-                          load_init_from=not resuming)
+                          load_init_from=not resuming, progress=False)
         return trainer, replicas
     from longrun.trainer.cp.batches import one_rank_setup, setup_from_parallel_groups
     from longrun.trainer.cp.calibration import load_or_calibrate
@@ -124,7 +125,7 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None, device: torch.d
     setup = (setup_from_parallel_groups(groups, cost=provisional) if groups is not None
              else one_rank_setup(provisional, cfg.dims))
     trainer = Trainer(cfg, device, context_parallel=setup, mesh=mesh, peak_flops=peak,
-                      load_init_from=not resuming)
+                      load_init_from=not resuming, progress=False)
     load_or_calibrate(os.path.join(cfg.job.output_dir, cfg.job.name, "cp-calibration"), trainer)
     return trainer, replicas
 
