@@ -22,7 +22,7 @@ from longrun.controller.state import Transition
 from longrun.goodput.accounting import StepRecord
 from longrun.goodput.tracker import GoodputTracker
 from longrun.health.policy import Incident
-from longrun.observability.journal import JournalWriter
+from longrun.observability.journal import JournalWriter, newest_trained_step
 from longrun.observability.progress import ProgressDisplay
 from longrun.observability.tensorboard import TensorBoardWriter
 from longrun.observability.wandb_log import WandbRun
@@ -144,14 +144,18 @@ def user_view_listeners(cfg: JobConfig, write: Callable[[str], None], layout: Ca
     """The progress line, the journal, and TensorBoard and W&B where configured."""
     listeners: list[Listener] = [ProgressLines(cfg, write, layout),
                                  JournalListener(JournalWriter(cfg.run_dir), goodput, cfg.run_dir)]
+    # Read the journal once: the newest step a rerun's curves continue from.
+    written = newest_trained_step(cfg.run_dir) if cfg.observability.tensorboard or \
+        cfg.observability.wandb != "off" else 0
     if cfg.observability.tensorboard:
         try:
-            listeners.append(TensorBoardListener(TensorBoardWriter(cfg.run_dir)))
+            listeners.append(TensorBoardListener(TensorBoardWriter(cfg.run_dir, written=written)))
         except (ImportError, OSError) as exc:  # the job trains without its curves
             log.warning("TensorBoard event files not written: %s", exc)
     if cfg.observability.wandb != "off":
         try:
-            run = WandbRun(cfg.job.name, cfg.run_dir, cfg.observability.wandb, cfg.model_dump(mode="json"))
+            run = WandbRun(cfg.job.name, cfg.run_dir, cfg.observability.wandb, cfg.model_dump(mode="json"),
+                           written=written)
             listeners.append(WandbListener(run))
         except ImportError:
             log.warning("observability.wandb is %s but the wandb package is not installed here; "

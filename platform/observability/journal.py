@@ -107,6 +107,12 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def newest_trained_step(run_dir: str | os.PathLike) -> int:
+    """The newest step with a loss in the journal (0: none): where a rerun's curves go on from."""
+    return max((int(r["step"]) for r in _lines(journal_dir(run_dir) / STEPS) if r.get("loss") is not None),
+               default=0)
+
+
 def read_journal(run_dir: str | os.PathLike) -> Journal:
     d = journal_dir(run_dir)
     goodput = None

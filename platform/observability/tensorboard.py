@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from longrun.observability.journal import read_journal
+from longrun.observability.journal import newest_trained_step
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ def tensorboard_dir(run_dir: str | os.PathLike) -> str:
 
 
 class TensorBoardWriter:
-    def __init__(self, run_dir: str | os.PathLike, *, flush_secs: float = 10.0):
+    def __init__(self, run_dir: str | os.PathLike, *, flush_secs: float = 10.0, written: int | None = None):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.dir = tensorboard_dir(run_dir)
-        trained = [int(r["step"]) for r in read_journal(run_dir).steps if r.get("loss") is not None]
-        self.written = max(trained, default=0)  # the newest step whose curves are drawn
+        # The newest step whose curves are drawn (`written`: already read from the journal).
+        self.written = newest_trained_step(run_dir) if written is None else written
         # Event files are named by the second they were opened and the host: a second
         # controller started within the same second would truncate the first's file.
         self.writer = EventFileWriter(self.dir, flush_secs=flush_secs,

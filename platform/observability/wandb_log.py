@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from longrun.observability.journal import read_journal
+from longrun.observability.journal import newest_trained_step
 from longrun.observability.tensorboard import SCALARS
 
 
@@ -24,11 +24,11 @@ def run_id(job: str) -> str:
 
 
 class WandbRun:
-    def __init__(self, job: str, run_dir: str | os.PathLike, mode: str, config: Mapping[str, Any]):
+    def __init__(self, job: str, run_dir: str | os.PathLike, mode: str, config: Mapping[str, Any],
+                 written: int | None = None):
         import wandb  # ImportError where it is not installed: the job goes on without it
 
-        trained = [int(r["step"]) for r in read_journal(run_dir).steps if r.get("loss") is not None]
-        self.written = max(trained, default=0)
+        self.written = newest_trained_step(run_dir) if written is None else written
         os.makedirs(run_dir, exist_ok=True)
         self.run = wandb.init(project="longrun", name=job, id=run_id(job), resume="allow", dir=str(run_dir),
                               mode=mode, config=dict(config), settings=wandb.Settings(silent=True))
