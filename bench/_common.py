@@ -59,3 +59,22 @@ def evict(path: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def packed_micro_batches(tokens: int, count: int, seed: int = 11) -> list:
+    """`count` micro-batches of exactly `tokens` tokens each, packed from documents of
+    log-normal lengths (a quarter of the budget on average): the same in every process."""
+    import numpy as np
+
+    from longrun.data.packing import build_micro_batch
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        docs, left = [], tokens
+        while left > 0:
+            n = int(min(left, max(2, rng.lognormal(np.log(tokens / 4), 0.8))))
+            docs.append(rng.integers(0, 256, size=n))
+            left -= n
+        out.append(build_micro_batch(docs))
+    return out

@@ -10,7 +10,8 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from longrun.trainer import IGNORE_INDEX, Trainer, Transformer, lr_multiplier
+from longrun.data.packing import IGNORE_INDEX
+from longrun.trainer import Trainer, Transformer, lr_multiplier
 
 
 class Clock:

@@ -57,7 +57,8 @@ def corpus_batch(chunk_lengths: np.ndarray, rng, tokens: int) -> np.ndarray:
 
 def stdlib_chunk_lengths(max_len: int) -> np.ndarray:
     from longrun.config import config_from_dict
-    from longrun.trainer import ByteTokenizer, build_corpus
+    from longrun.data.byte_tokenizer import ByteTokenizer
+    from longrun.data.documents import build_corpus
 
     cfg = config_from_dict({"job": {"name": "lengths"}, "model": {"max_seq_len": max_len},
                             "data": {"source": "text", "path": "stdlib",

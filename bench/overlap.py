@@ -46,7 +46,7 @@ def config(args):
 
 def micro_batches(args, rank: int):
     """Documents with lognormal lengths packed to exactly `args.tokens` tokens, per rank."""
-    from longrun.trainer import build_micro_batch
+    from longrun.data.packing import build_micro_batch
 
     rng = np.random.default_rng([rank, 11])
     batches = []

@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 
-from _common import logger, parser
+from _common import logger, packed_micro_batches, parser
 
 from longrun.testing.worlds import World
 
@@ -52,23 +52,6 @@ def config(args, parallelism: dict):
     })
 
 
-def micro_batches(args, count: int):
-    import numpy as np
-
-    from longrun.trainer import build_micro_batch
-
-    rng = np.random.default_rng(11)
-    out = []
-    for _ in range(count):
-        docs, left = [], args.tokens
-        while left > 0:
-            n = int(min(left, max(2, rng.lognormal(np.log(args.tokens / 4), 0.8))))
-            docs.append(rng.integers(0, 256, size=n))
-            left -= n
-        out.append(build_micro_batch(docs))
-    return out
-
-
 def rank_main(rank: int, world: int, init_file: str, results, args) -> None:
     import torch
     import torch.distributed as dist
@@ -89,7 +72,8 @@ def rank_main(rank: int, world: int, init_file: str, results, args) -> None:
                 block.set_modules_to_forward_prefetch([])
                 block.set_modules_to_backward_prefetch([])
         span, mine = trainer.parallel.size, trainer.parallel.rank
-        batches = micro_batches(args, span * args.accum)[mine * args.accum:(mine + 1) * args.accum]
+        batches = packed_micro_batches(args.tokens, span * args.accum)
+        batches = batches[mine * args.accum:(mine + 1) * args.accum]
 
         def step(t=trainer, b=batches):
             t.optimizer.zero_grad(set_to_none=True)

@@ -54,8 +54,9 @@ from _common import logger, parser
 from _trainer_overhead_sides import Longrun, Plain
 
 from longrun.config import config_from_dict
-from longrun.trainer import ByteTokenizer, DocumentSampler, build_corpus
-from longrun.trainer.packing import global_batches
+from longrun.data.byte_tokenizer import ByteTokenizer
+from longrun.data.documents import DocumentSampler, build_corpus
+from longrun.data.packing import global_batches
 from longrun.trainer.step import data_parallel_step
 
 MODELS = {

@@ -71,6 +71,7 @@ class Phase(enum.StrEnum):
     RESTORE = "restore"
     DATA = "data"
     PLAN = "plan"
+    PIPELINE = "pipeline"  # the pipeline schedule: every micro-batch's forward and backward, interleaved
     FORWARD = "forward"
     BACKWARD = "backward"
     SYNC = "sync"
@@ -82,7 +83,8 @@ class Phase(enum.StrEnum):
 
 
 # The parts of one training step, in order (what the step-time panel stacks).
-STEP_PHASES = (Phase.DATA, Phase.PLAN, Phase.FORWARD, Phase.BACKWARD, Phase.SYNC, Phase.OPTIMIZER)
+STEP_PHASES = (Phase.DATA, Phase.PLAN, Phase.PIPELINE, Phase.FORWARD, Phase.BACKWARD, Phase.SYNC,
+               Phase.OPTIMIZER)
 # Phases whose length has nothing to do with a step: a step-sized learned hang timeout would call
 # a long save or restore a hang, so these are judged by the hard ceiling.
 SLOW_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.DIAGNOSTICS, Phase.RENDEZVOUS,

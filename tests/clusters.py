@@ -1,11 +1,16 @@
-"""Simulated multi-node Ray clusters for the controller tests (one process tree, loopback), and
-the weights a job on one committed."""
+"""Simulated multi-node Ray clusters for the controller tests (one process tree, loopback), the
+weights a job on one committed, a controller run in a thread, and its workers signalled from
+outside."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from collections.abc import Iterator
+
+import psutil
 
 
 @contextlib.contextmanager
@@ -37,3 +42,52 @@ def committed_weights(checkpoint_dir: str, step: int) -> dict:
 
     fs, root = fsspec.core.url_to_fs(checkpoint_dir)
     return load_model_weights(fs, root, step, read_manifest(fs, root, step))
+
+
+def run_in_thread(cfg, redis_url):
+    from longrun.controller.controller import Controller
+
+    """The job's controller in a thread; `result` gets its summary, and "ran" the wall-clock
+    times (seconds since the epoch) before the controller was built and after it returned."""
+    result: dict = {}
+    started = time.time()
+    controller = Controller(cfg, redis_url)
+
+    def run():
+        result.update(controller.run())
+        result["ran"] = (started, time.time())
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_for(redis_client, job: str, *, step: int | None = None, state: str | None = None,
+             timeout: float = 300):
+    from longrun.controller.job_state import JobRecordStore
+    store, deadline = JobRecordStore(redis_client, job), time.monotonic() + timeout
+    while True:
+        record = store.read()
+        if record is not None and (step is None or record.step >= step) and (
+                state is None or record.state == state):
+            return record
+        assert time.monotonic() < deadline, f"{job} never reached step {step} / state {state}"
+        time.sleep(0.05)  # polling the job record another process writes
+
+
+def training_workers() -> list[psutil.Process]:
+    """Worker processes now training (Ray titles them after the task they run), newest first:
+    the current job's, not the last job's still exiting."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        cmdline = p.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith("ray::TrainWorker.run") and p.is_running():
+            found.append(p)
+    return sorted(found, key=lambda p: p.info["create_time"], reverse=True)
+
+
+def signal_a_worker(sig: int) -> psutil.Process:
+    for victim in training_workers():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.send_signal(sig)
+            return victim
+    raise AssertionError("no training worker to signal")

@@ -62,7 +62,7 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
         import torch
 
         from longrun.commgroup import form_groups, single_node_layout
-        from longrun.parallel_dims import ParallelDims
+        from longrun.parallel.dims import ParallelDims
         from longrun.trainer.cp.attention import ContextParallelAttention
         from longrun.trainer.cp.batches import cp_groups_for
         from longrun.trainer.cp.layout import ShardLayout
@@ -132,7 +132,8 @@ def cp_config(world: int, cp: int, dynamic: bool, impl: str = "ring"):
 def _planned_step_against_one_process(cfg, setup, docs):
     """One planned step of `docs` under `setup` and the same batch in one process without CP:
     the trainer (gradients in place) and how the two compare."""
-    from longrun.trainer import Trainer, build_micro_batch
+    from longrun.data.packing import build_micro_batch
+    from longrun.trainer import Trainer
     from longrun.trainer.cp.batches import plan_step
 
     with Trainer(cfg, "cpu", progress=False) as ref:

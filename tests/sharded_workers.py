@@ -64,7 +64,8 @@ def _trainer(cfg, groups):
 def _one_step(trainer, cfg):
     """This rank's part of a fixed global batch through `trainer`, and the same batch in one
     process: (loss, reference loss, worst relative gradient error over all parameters)."""
-    from longrun.trainer import Trainer, build_micro_batch
+    from longrun.data.packing import build_micro_batch
+    from longrun.trainer import Trainer
     from longrun.trainer.cp.batches import plan_step
 
     reference_cfg = layout_config({}, 1, training=cfg.training.model_dump())

@@ -15,9 +15,9 @@ from safetensors.torch import load, load_file, save_file
 
 from longrun.checkpoint import Checkpointer
 from longrun.checkpoint.catalog import summarize_weights
-from longrun.checkpoint.export import unshare
 from longrun.cli import main
 from longrun.config import config_from_dict
+from longrun.interop.weights_file import unshare
 from longrun.trainer import Trainer, Transformer
 
 

@@ -100,13 +100,12 @@ def test_run_refuses_a_bad_config_before_starting_anything(repo_root, tmp_path):
 # Valid configs this longrun cannot run: each refused by `run` before any service starts, and
 # by `config validate` with the same sentence (validate never passes what run refuses).
 UNRUNNABLE = [
-    (("cluster.workers_per_node=2", "parallelism.pp=2"), "no pipeline parallelism yet"),
     (("parallelism.dynamic_cp=true",), "nothing to split"),
     (("cluster.device_memory_gb=0.001",), "exceeds 90% of cluster.device_memory_gb (0.001 GB)"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "reason"), UNRUNNABLE, ids=["pp", "dynamic-cp-alone", "memory"])
+@pytest.mark.parametrize(("overrides", "reason"), UNRUNNABLE, ids=["dynamic-cp-alone", "memory"])
 def test_run_and_validate_refuse_what_the_controller_cannot_run(repo_root, tmp_path, overrides, reason):
     sets = [arg for o in overrides for arg in ("--set", o)]
     out = longrun("run", repo_root / "examples" / "tiny.yaml", *sets, "--set", f"job.output_dir={tmp_path}",

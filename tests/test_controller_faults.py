@@ -175,7 +175,7 @@ def test_errors_are_classified_by_what_they_say_and_by_type():
     from longrun.checkpoint.restore import CheckpointMismatchError
     from longrun.config.loader import ConfigError
     from longrun.controller.outcomes import fault_kind_of
-    from longrun.trainer.data import DataError
+    from longrun.data.documents import DataError
     from longrun.trainer.trainer import NonFiniteLossError
 
     fatal = [DataError(DATA_ORDER), CheckpointMismatchError("another model"),

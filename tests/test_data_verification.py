@@ -138,7 +138,7 @@ def test_a_shard_written_after_the_mark_is_found_before_its_tokens_are_returned(
 def test_the_error_reaches_training_from_the_prefetch_thread(prepared):
     import numpy as np
 
-    from longrun.trainer.packing import Prefetcher
+    from longrun.data.packing import Prefetcher
 
     damage(prepared / "shard-00002.bin", -1)
     opened = TokenShards(prepared)

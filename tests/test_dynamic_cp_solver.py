@@ -304,7 +304,7 @@ def test_bad_context_parallel_setups_are_refused_with_the_reason():
     import torch
 
     from longrun.commgroup import form_groups, single_node_layout
-    from longrun.parallel_dims import ParallelDims
+    from longrun.parallel.dims import ParallelDims
     from longrun.trainer.cp.attention import ContextParallelAttention, CPGroups
     from longrun.trainer.cp.batches import one_rank_setup
     from longrun.trainer.cp.layout import ShardLayout

@@ -12,12 +12,12 @@ import pytest
 
 from longrun.config import config_from_dict
 from longrun.config.sections import LengthDistribution
-from longrun.trainer.data import DataError, DocumentSampler, SyntheticCorpus
+from longrun.data.byte_tokenizer import ByteTokenizer
+from longrun.data.documents import DataError, DocumentSampler, SyntheticCorpus
+from longrun.data.mixture import MixtureSampler
+from longrun.data.packing import global_batches
 from longrun.trainer.feed import StepFeed
-from longrun.trainer.mixture import MixtureSampler
-from longrun.trainer.packing import global_batches
 from longrun.trainer.step import data_parallel_step, split_among_ranks
-from longrun.trainer.tokenizer import ByteTokenizer
 
 MICRO, GLOBAL = 128, 1000  # a global budget no multiple of the micro one, nor of any rank count
 CORPUS = SyntheticCorpus(LengthDistribution(min_len=3, max_len=200, mean=40.0, sigma=1.0), 64,

@@ -138,9 +138,9 @@ def worst_gradient_error(got: dict, want: dict) -> float:
 
 def expected_global_batches() -> list[list[int]]:
     """What every run must train: the first STEPS global batches of the one global order."""
-    from longrun.trainer import ByteTokenizer, build_corpus
-    from longrun.trainer.data import DocumentSampler
-    from longrun.trainer.packing import global_batches
+    from longrun.data.byte_tokenizer import ByteTokenizer
+    from longrun.data.documents import DocumentSampler, build_corpus
+    from longrun.data.packing import global_batches
 
     cfg = config({}, 1)
     corpus = build_corpus(cfg.data, cfg.model, ByteTokenizer(), cfg.job.seed)

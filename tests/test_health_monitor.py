@@ -99,6 +99,16 @@ def test_slow_steps_teach_a_longer_timeout_from_wall_time():
     assert kinds(monitor.observe({0: beat(0, 3, step_time=0.2)}, now=25.0)) == [(FaultKind.HANG, 0)]
 
 
+def test_a_hung_pipeline_rank_is_reported_with_its_stage():
+    """A rank of a pipeline names its stage in its heartbeat, and the hang report says which."""
+    monitor = HealthMonitor(2, HEALTH, started_at=0.0)
+    stuck = {r: Heartbeat(rank=r, step=4, phase="pipeline", step_time_s=1.0, pp_stage=r) for r in range(2)}
+    assert monitor.observe(stuck, now=0.0) == []
+    faults = monitor.observe(stuck, now=61.0)  # past the hard ceiling (no step time learned)
+    assert kinds(faults) == [(FaultKind.HANG, 0), (FaultKind.HANG, 1)]
+    assert "rank 1 (pipeline stage 1) made no progress past step 4 in phase 'pipeline'" in faults[1].detail
+
+
 @pytest.mark.parametrize("phase", ["checkpoint", "held"])
 def test_checkpoint_phase_gets_the_hard_ceiling(phase):
     monitor = learned_monitor()

@@ -15,12 +15,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from longrun.checkpoint import Checkpointer
-from longrun.checkpoint.export import ExportError
-from longrun.checkpoint.hf import HFError, model_section_from_hf
-from longrun.checkpoint.hf_export import export_hf
-from longrun.checkpoint.hf_import import load_hf_weights
 from longrun.config import config_from_dict
 from longrun.config.sections import ModelSection
+from longrun.interop.export import ExportError
+from longrun.interop.hf import HFError, model_section_from_hf
+from longrun.interop.hf_export import export_hf
+from longrun.interop.hf_import import load_hf_weights
 from longrun.trainer import Trainer, Transformer
 
 TINY = {"vocab_size": 300, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -170,7 +170,7 @@ def test_export_takes_the_tokenizer_the_checkpoint_records(ckpt, cli, tmp_path):
     code, _, err = cli("checkpoint", "export", ckpt.root, "--format", "hf", "--out", out_dir)
     assert code == 0, err
     config = json.loads((out_dir / "config.json").read_text())
-    from longrun.trainer.tokenizer import ByteTokenizer
+    from longrun.data.byte_tokenizer import ByteTokenizer
 
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
         ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD)

@@ -16,8 +16,9 @@ from longrun.config.memory import (
     plan_for,
     plan_problem,
 )
-from longrun.parallel_dims import ParallelDims
-from longrun.trainer import Trainer, build_micro_batch
+from longrun.data.packing import build_micro_batch
+from longrun.parallel.dims import ParallelDims
+from longrun.trainer import Trainer
 
 SHAPES = [  # dim, heads, kv heads, ffn, layers, tokens, tied
     (64, 4, 4, 128, 2, 256, True),
@@ -104,3 +105,33 @@ def test_checkpointed_blocks_keep_only_their_inputs_outside_the_recompute():
         with Trainer(_config(*shape, activation_checkpointing=mode), progress=False) as trainer:
             kept[mode] = _kept_bytes(trainer, shape[5])
     assert kept["full"] == kept["selective"] < kept["none"] / 3
+
+
+@pytest.mark.parametrize(("pp", "virtual", "schedule"), [(2, 1, "1f1b"), (4, 2, "interleaved_1f1b"),
+                                                         (2, 2, "zbv_zero_bubble")])
+def test_each_pipeline_rank_is_planned_with_the_weights_it_holds(pp, virtual, schedule):
+    """The planner's parameters per pipeline rank are those its real stages hold (the same
+    split as the trainer's), and the activations follow the schedule's micro-batches in flight."""
+    from longrun.config.memory import stage_plans
+    from longrun.parallel.pipeline import PipelinedModel, PipelinePlan
+    from longrun.trainer.model import Transformer
+
+    cfg = config_from_dict({
+        "job": {"name": "pp-plan"}, "cluster": {"workers_per_node": pp},
+        "parallelism": {"pp": pp, "pp_virtual_stages": virtual},
+        "model": {"dim": 64, "n_layers": 8, "n_heads": 4, "ffn_dim": 128, "tie_embeddings": False},
+        "training": {"pp_schedule": schedule, "grad_accum": 8}})
+    plans = stage_plans(cfg.model, cfg.dims, cfg.training, cfg.data, on_gpu=False,
+                        parallelism=cfg.parallelism)
+    model = Transformer(cfg.model)
+    held = []
+    for r in range(pp):
+        plan = PipelinePlan(group=None, rank=r, schedule=schedule, virtual_stages=virtual)
+        parts = PipelinedModel(model, pp=pp, plan=plan, span_group=None).module
+        held.append(sum(p.numel() for p in parts.parameters()))
+    assert [p.parameters / 4 for p in plans] == held
+    assert sum(held) == model.num_params()
+    # The first rank keeps the most micro-batches in flight; the last one the logits too.
+    flights = [p.in_flight for p in plans]
+    assert flights == sorted(flights, reverse=True) and flights[0] > 1
+    assert plan_for(cfg).total_bytes == max(p.total_bytes for p in plans)

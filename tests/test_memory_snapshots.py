@@ -19,7 +19,7 @@ import psutil
 import pytest
 import ray
 import torch
-from clusters import committed_weights, simulated_cluster
+from clusters import committed_weights, run_in_thread, signal_a_worker, simulated_cluster, wait_for
 
 from longrun.checkpoint.memory import read_snapshot, serialize
 from longrun.config import config_from_dict
@@ -64,33 +64,6 @@ def reference(cluster, redis_server, tmp_path_factory):
     return committed_weights(cfg.checkpoint_dir, STEPS)
 
 
-def run_in_thread(cfg, redis_url):
-    """The job's controller in a thread; `result` gets its summary, and "ran" the wall-clock
-    times (seconds since the epoch) before the controller was built and after it returned."""
-    result: dict = {}
-    started = time.time()
-    controller = Controller(cfg, redis_url)
-
-    def run():
-        result.update(controller.run())
-        result["ran"] = (started, time.time())
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, result
-
-
-def wait_for(redis_client, job: str, *, step: int | None = None, state: str | None = None,
-             timeout: float = 300):
-    store, deadline = JobRecordStore(redis_client, job), time.monotonic() + timeout
-    while True:
-        record = store.read()
-        if record is not None and (step is None or record.step >= step) and (
-                state is None or record.state == state):
-            return record
-        assert time.monotonic() < deadline, f"{job} never reached step {step} / state {state}"
-        time.sleep(0.05)  # polling the job record another process writes
-
-
 def newest_snapshot(job: str, nodes: list[str]) -> int:
     """The newest step the keepers of `nodes` hold for every rank (0: none)."""
     held: dict[int, set[int]] = {}
@@ -113,25 +86,6 @@ def right_after_a_snapshot(redis_client, job: str) -> list[str]:
     while newest_snapshot(job, nodes) <= seen:
         assert time.monotonic() < deadline, "no new snapshot in a minute"
     return nodes
-
-
-def training_workers() -> list[psutil.Process]:
-    """Worker processes now training (Ray titles them after the task they run), newest first:
-    the current job's, not the last job's still exiting."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "create_time"]):
-        cmdline = p.info["cmdline"] or []
-        if cmdline and cmdline[0].startswith("ray::TrainWorker.run") and p.is_running():
-            found.append(p)
-    return sorted(found, key=lambda p: p.info["create_time"], reverse=True)
-
-
-def signal_a_worker(sig: int) -> psutil.Process:
-    for victim in training_workers():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            victim.send_signal(sig)
-            return victim
-    raise AssertionError("no training worker to signal")
 
 
 def assert_lost_per_the_ledger_and_bitwise(cfg, result, reference, redis_client):

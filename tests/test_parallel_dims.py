@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longrun.config import config_from_dict
-from longrun.parallel_dims import (
+from longrun.parallel.dims import (
     ParallelDims,
     is_power_of_two,
     padded_tokens_per_rank,

@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from longrun.config import ConfigError, config_from_dict, load_config
+from longrun.data.byte_tokenizer import ByteTokenizer
+from longrun.data.documents import DocumentSampler, build_corpus
+from longrun.data.errors import DataError
+from longrun.data.mixture import MixtureSampler, build_sampler
 from longrun.data.prepare import prepare
 from longrun.data.shards import TokenShards
 from longrun.data.tokenizers import BPETokenizer, train_bpe
-from longrun.trainer import DataError, Trainer, build_corpus
-from longrun.trainer.data import DocumentSampler
-from longrun.trainer.mixture import MixtureSampler, build_sampler
-from longrun.trainer.tokenizer import ByteTokenizer
+from longrun.trainer import Trainer
 
 VOCAB = 512
 CORPUS_BYTES = 300_000

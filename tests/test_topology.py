@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longrun.commgroup.topology import GROUP_KINDS, NodeSpec, make_layout, single_node_layout
-from longrun.parallel_dims import ParallelDims
+from longrun.parallel.dims import ParallelDims
 
 pow2 = st.sampled_from([1, 2, 4, 8])
 

@@ -12,7 +12,8 @@ import torch
 
 from longrun.config import config_from_dict
 from longrun.config.sections import LengthDistribution
-from longrun.trainer.data import (
+from longrun.data.byte_tokenizer import ByteTokenizer
+from longrun.data.documents import (
     DataError,
     DocumentSampler,
     FileCorpus,
@@ -20,13 +21,12 @@ from longrun.trainer.data import (
     SyntheticCorpus,
     build_corpus,
 )
-from longrun.trainer.packing import (
+from longrun.data.packing import (
     IGNORE_INDEX,
     Prefetcher,
     build_micro_batch,
     packed_micro_batches,
 )
-from longrun.trainer.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 
@@ -118,7 +118,7 @@ def test_directory_files_are_recursive_filtered_and_sorted(tmp_path):
 def test_files_with_nul_bytes_are_skipped_with_one_warning(tmp_path, caplog):
     (tmp_path / "good.py").write_text("x = 1\n")
     (tmp_path / "blob.py").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
-    with caplog.at_level(logging.WARNING, logger="longrun.trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="longrun.data.documents"):
         corpus = FileCorpus(tmp_path, ["*.py"], 32, TOK)
     assert [str(f) for f in corpus.files] == ["good.py"]
     assert [str(f) for f in corpus.skipped_binary] == ["blob.py"]
@@ -136,7 +136,7 @@ def test_only_invalid_utf8_files_is_an_error_naming_them(tmp_path):
 def test_multibyte_character_cut_by_the_sniff_boundary_is_kept(tmp_path, caplog):
     data = ("a" * 8191 + "é" * 100).encode("utf-8")  # byte 8192 is the middle of an "é"
     (tmp_path / "long.py").write_bytes(data)
-    with caplog.at_level(logging.WARNING, logger="longrun.trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="longrun.data.documents"):
         corpus = FileCorpus(tmp_path, ["*.py"], 1 << 14, TOK)
     assert [str(f) for f in corpus.files] == ["long.py"] and corpus.skipped_binary == []
     assert corpus.num_tokens == len(data) + 2

@@ -12,6 +12,7 @@ import torch
 
 from longrun.config import config_from_dict
 from longrun.config.sections import TrainingSection
+from longrun.data.packing import build_micro_batch
 from longrun.trainer import (
     NonFiniteError,
     NonFiniteGradientError,
@@ -19,7 +20,6 @@ from longrun.trainer import (
     ProgressPrinter,
     StepMetrics,
     Trainer,
-    build_micro_batch,
     build_scheduler,
     lr_schedule,
 )

@@ -26,7 +26,7 @@ def tiny_config(**training):
 
 def fixed_micro_batches(count: int):
     """`count` packed micro-batches of random documents, identical in every process."""
-    from longrun.trainer import build_micro_batch
+    from longrun.data.packing import build_micro_batch
 
     rng = np.random.default_rng(7)
     batches = []
@@ -112,7 +112,7 @@ def communication_overlaps_backward(rank: int, world: int, init_file: str, resul
     all-reduce launch, and the gradient of the first layer (among the last backward computes)."""
     try:
         dist = _join(rank, world, init_file)
-        import longrun.trainer.data_parallel as parallel
+        import longrun.parallel.data_parallel as parallel
         from longrun.trainer import Trainer
 
         events: list[str] = []

@@ -5,7 +5,7 @@
 
 Everything here only reads the checkpoint root (any fsspec URL); nothing under it is changed.
 The functions return plain data (dataclasses with `to_json()`), the command line formats it.
-export.py takes the weights out of a checkpoint found here.
+`longrun.interop.export` takes the weights out of a checkpoint found here.
 """
 
 from __future__ import annotations

@@ -28,14 +28,16 @@ import fsspec
 import torch.distributed as dist
 
 from longrun.checkpoint.commit import CommitLedger, LocalCommitLedger
-from longrun.checkpoint.dcp_format import DCP_KEYS, data_file_name, pieces_of, skeleton
+from longrun.checkpoint.dcp_format import data_file_name, pieces_of
 from longrun.checkpoint.lineage import current_lineage
-from longrun.checkpoint.manifest import GLOBAL_KEYS, TRAIN_STATE, Manifest, rank_shard_name
+from longrun.checkpoint.manifest import Manifest, rank_shard_name
 from longrun.checkpoint.restore import Restored, restore_latest
 from longrun.checkpoint.snapshot import HostStager, Snapshot
+from longrun.checkpoint.stage_structure import structure_files
 from longrun.checkpoint.writer import CheckpointWriter, SaveJob, SaveResult
 from longrun.config import JobConfig
 from longrun.config.vocabulary import tokenizer_record
+from longrun.parallel.dims import coords_of, leads_its_stage
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class Checkpointer:
             ledger = LocalCommitLedger()
         self.cfg = cfg
         self.rank, self.world_size, self.dp_rank, self.dp_size = rank, world_size, dp_rank, dp_size
+        # Under pipeline parallelism each stage's first rank writes what its stage holds whole.
+        self.stage = coords_of(cfg.dims, rank).pp if world_size == cfg.world_size else 0
+        self.leads_stage = leads_its_stage(cfg.dims, rank) if world_size == cfg.world_size else rank == 0
         self.fs, self.root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
         self.root = self.root.rstrip("/")
         self.stager = HostStager()
@@ -110,12 +115,11 @@ class Checkpointer:
         # Each piece of the model and optimizer once: by the first rank that holds it.
         mine = {p.fqn: {"tensor": p.local, "offsets": p.offsets, "global_shape": p.global_shape,
                         "path": p.path}
-                for p in pieces_of(state, rank=self.rank, replica_leader=self.dp_rank == 0) if p.writer}
+                for p in pieces_of(state, rank=self.rank, replica_leader=self.dp_rank == 0,
+                                   writes_whole=self.leads_stage) if p.writer}
         if mine:
             files[data_file_name(self.rank)] = mine
-        if self.rank == 0:
-            files[TRAIN_STATE] = ({k: state[k] for k in GLOBAL_KEYS}
-                                  | {k: skeleton(state[k]) for k in DCP_KEYS})
+        files.update(structure_files(state, rank=self.rank, stage=self.stage, leads_stage=self.leads_stage))
         return files
 
     def before_update(self) -> None:

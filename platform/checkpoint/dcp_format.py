@@ -90,9 +90,14 @@ def tensor_leaves(state: dict[str, Any]) -> list[tuple[tuple[str | int, ...], Te
     return found
 
 
-def pieces_of(state: dict[str, Any], *, rank: int, replica_leader: bool) -> list[Piece]:
+def pieces_of(state: dict[str, Any], *, rank: int, replica_leader: bool,
+              writes_whole: bool | None = None) -> list[Piece]:
     """Every tensor piece of `state`'s model and optimizer this rank holds. `replica_leader`:
-    this rank is the first of the ranks holding the same pieces (dp and cp replicas)."""
+    this rank is the first of the ranks holding the same pieces (dp and cp replicas).
+    `writes_whole`: this rank writes the tensors every rank of its pipeline stage holds whole
+    (the first rank of its stage; default: rank 0, the only stage's first)."""
+    if writes_whole is None:
+        writes_whole = rank == 0
     pieces = []
     for path, t in tensor_leaves(state):
         if isinstance(t, DTensor):
@@ -103,8 +108,8 @@ def pieces_of(state: dict[str, Any], *, rank: int, replica_leader: bool) -> list
             local = t.to_local()
             writer = replica_leader and first and local.numel() > 0
             pieces.append(Piece(fqn_of(path), path, local, tuple(offset), tuple(t.shape), writer))
-        else:  # whole, and the same on every rank: rank 0 writes it
-            pieces.append(Piece(fqn_of(path), path, t, (0,) * t.dim(), tuple(t.shape), rank == 0))
+        else:  # whole, and the same on every rank of the stage: its first rank writes it
+            pieces.append(Piece(fqn_of(path), path, t, (0,) * t.dim(), tuple(t.shape), writes_whole))
     return pieces
 
 

@@ -35,6 +35,15 @@ def rank_shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+# Under pipeline parallelism each stage's first rank writes the structure of its stage's model
+# and optimizer state (rank 0's is in TRAIN_STATE): see stage_structure.py.
+STAGE_STATE_PREFIX = "train-state-stage-"
+
+
+def stage_state_name(stage: int) -> str:
+    return f"{STAGE_STATE_PREFIX}{stage:03d}.pt"
+
+
 # Model fields that say where the weights started, not what they are: a job resumes from its
 # checkpoint whatever they say (and checkpoints from before they existed lack them).
 _NOT_THE_SHAPE = ("init_from",)

@@ -7,7 +7,8 @@ job changes its layout (a snapshot fits only the rank of the layout that took it
 step every rank has a snapshot of is made a checkpoint instead. It goes through the same files,
 writer, ledger and commit as any save (`writer.py`), written as the ranks of the snapshots'
 layout would have (each piece once, by the lowest rank holding it; rank 0 the structure and the
-data position; every rank its RNG streams), so it restores at any layout by resharding
+data position, each later pipeline stage's first rank its stage's structure; every rank its RNG
+streams), so it restores at any layout by resharding
 (`resharding.py`) and a restore at the same layout is bitwise the snapshot. One rank's snapshot
 is read at a time (rank 0's is held to the end: its writer commits).
 """
@@ -21,21 +22,23 @@ from typing import Any
 import fsspec
 
 from longrun.checkpoint.commit import LocalCommitLedger
-from longrun.checkpoint.dcp_format import DCP_KEYS, data_file_name, fqn_of, skeleton
+from longrun.checkpoint.dcp_format import data_file_name, fqn_of
 from longrun.checkpoint.lineage import current_lineage
-from longrun.checkpoint.manifest import GLOBAL_KEYS, TRAIN_STATE, Manifest, rank_shard_name
+from longrun.checkpoint.manifest import Manifest, rank_shard_name
 from longrun.checkpoint.sharding import snapshot_pieces
 from longrun.checkpoint.snapshot import Snapshot
+from longrun.checkpoint.stage_structure import structure_files
 from longrun.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SaveJob
 from longrun.config import JobConfig
 from longrun.config.vocabulary import tokenizer_record
+from longrun.parallel.dims import coords_of, leads_its_stage
 
 log = logging.getLogger(__name__)
 
 Read = Callable[[int], dict[str, Any]]  # rank -> {"state": ..., "where": ...} (memory.read_snapshot)
 
 
-def _files(rank: int, snapshot: dict[str, Any], written: set[tuple]) -> dict[str, Any]:
+def _files(cfg: JobConfig, rank: int, snapshot: dict[str, Any], written: set[tuple]) -> dict[str, Any]:
     """{file name: content} of `rank`, as `Checkpointer.files_of` makes them; `written`: the
     pieces lower ranks write (a replica's copy is written once)."""
     state = snapshot["state"]
@@ -49,8 +52,8 @@ def _files(rank: int, snapshot: dict[str, Any], written: set[tuple]) -> dict[str
         mine[key[0]] = {"tensor": tensor, "offsets": offsets, "global_shape": global_shape, "path": path}
     if mine:
         files[data_file_name(rank)] = mine
-    if rank == 0:
-        files[TRAIN_STATE] = ({k: state[k] for k in GLOBAL_KEYS} | {k: skeleton(state[k]) for k in DCP_KEYS})
+    files.update(structure_files(state, rank=rank, stage=coords_of(cfg.dims, rank).pp,
+                                 leads_stage=leads_its_stage(cfg.dims, rank)))
     return files
 
 
@@ -77,7 +80,7 @@ def commit_snapshots(cfg: JobConfig, step: int, read: Read) -> None:
                                 config_fingerprint=cfg.fingerprint(), layout=dims.degrees,
                                 tokenizer=tokenizer_record(cfg),
                                 lineage=current_lineage(fs, root.rstrip("/")))  # as a save now would
-        return SaveJob(step, Snapshot(_files(rank, snapshot, written), 0), manifest)
+        return SaveJob(step, Snapshot(_files(cfg, rank, snapshot, written), 0), manifest)
 
     # The coordinator first: it writes its files, then waits in its own thread for the others.
     coordinator = writer(0)

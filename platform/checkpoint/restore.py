@@ -49,6 +49,7 @@ from longrun.checkpoint.resharding import (
     plan_reads,
     read_records,
 )
+from longrun.checkpoint.stage_structure import held_structure, merged_structure, stage_files
 from longrun.kinds import FaultKind
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,12 @@ def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template
     except ValueError as exc:
         raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
     train_state = load_shard(fs, root, step, TRAIN_STATE, manifest.files.get(TRAIN_STATE))
+    stages = [load_shard(fs, root, step, name, manifest.files[name])
+              for name in stage_files(list(manifest.files))]
+    try:
+        train_state = held_structure(merged_structure(train_state, stages), template)
+    except ValueError as exc:
+        raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
     rng = None
     if manifest.world_size == world_size:
         rng = load_shard(fs, root, step, rank_shard_name(rank),

@@ -175,7 +175,7 @@ def _print_checks(result) -> None:
 
 
 def cmd_checkpoint_export(args) -> int:
-    from longrun.checkpoint.export import export_weights
+    from longrun.interop.export import export_weights
 
     root = _checkpoint_root(args)
     tokenizer = args.tokenizer
@@ -195,7 +195,7 @@ def checkpoint_errors(exc: Exception) -> int | None:
     that cannot be read (corrupt shard, bad manifest); None for anything else."""
     from longrun.checkpoint import CorruptShardError, ManifestError
     from longrun.checkpoint.catalog import CheckpointNotFound
-    from longrun.checkpoint.export import ExportError
+    from longrun.interop.export import ExportError
 
     if isinstance(exc, CheckpointNotFound | ExportError):
         console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)

@@ -7,8 +7,9 @@ from rich_argparse import RichHelpFormatter
 
 from longrun.cli.common import add_config_args, load, out
 from longrun.config import ConfigError
-from longrun.config.memory import GB, plan_for
+from longrun.config.memory import GB, pipeline_micro_batches, plan_for, stage_plans
 from longrun.config.runnable import runnable_problems
+from longrun.parallel.schedules import stages_per_rank
 
 
 def add_parsers(sub) -> None:
@@ -45,19 +46,46 @@ def cmd_config_show(args) -> int:
     return 0
 
 
+def _print_stages(cfg) -> None:
+    """Each pipeline rank's blocks and memory, and the idle share its schedule implies."""
+    from rich.table import Table
+
+    from longrun.parallel.schedules import bubble_fraction
+
+    tr, par, dims = cfg.training, cfg.parallelism, cfg.dims
+    micro_batches = pipeline_micro_batches(tr, cfg.data, dims)
+    table = Table(title=f"pipeline: {tr.pp_schedule}, {dims.pp} ranks x "
+                  f"{stages_per_rank(tr.pp_schedule, par.pp_virtual_stages)} stage(s), {micro_batches} "
+                  "micro-batches per step")
+    for column in ("pp rank", "blocks", "weights + grads + optimizer GB", "activations GB",
+                   "in flight", "total GB"):
+        table.add_column(column, justify="right")
+    for p in stage_plans(cfg.model, dims, tr, cfg.data, on_gpu=cfg.cluster.device != "cpu",
+                         parallelism=par):
+        table.add_row(str(p.pp_rank), str(p.layers), f"{(p.parameters + p.gradients + p.optimizer) / GB:.2f}",
+                      f"{p.activations / GB:.2f}", f"{p.in_flight:g}", f"{p.total_bytes / GB:.2f}")
+    out.print(table)
+    bubble = bubble_fraction(tr.pp_schedule, dims.pp, micro_batches, par.pp_virtual_stages)
+    out.print(f"bubble: {bubble:.1%} of each step idle per rank (equal stages; more micro-batches "
+              "or virtual stages shrink it)")
+
+
 def cmd_config_plan(args) -> int:
     cfg = load(args)
     from rich.table import Table
 
     plan, dims = plan_for(cfg), cfg.dims
-    table = Table(title=f"memory per rank: {cfg.job.name}, layout {dims.layout_name} ({cfg.world_size} "
-                  f"ranks: dp {dims.dp} x fsdp {dims.fsdp} x cp {dims.cp} x tp {dims.tp}), activation "
-                  f"checkpointing {cfg.training.activation_checkpointing}")
+    fullest = f" (the fullest pipeline rank: {plan.pp_rank})" if plan.pp_rank is not None else ""
+    table = Table(title=f"memory per rank{fullest}: {cfg.job.name}, layout {dims.layout_name} "
+                  f"({cfg.world_size} ranks: dp {dims.dp} x fsdp {dims.fsdp} x pp {dims.pp} x cp {dims.cp} "
+                  f"x tp {dims.tp}), activation checkpointing {cfg.training.activation_checkpointing}")
     table.add_column("part")
     table.add_column("GB", justify="right")
     for name, nbytes in plan.rows():
         table.add_row(name, f"{nbytes / GB:.2f}", style="bold" if name == "total" else None)
     out.print(table)
+    if dims.pp > 1:
+        _print_stages(cfg)
     limit = cfg.cluster.device_memory_gb
     problems = runnable_problems(cfg)
     if problems:

@@ -13,7 +13,7 @@ from longrun.commgroup.topology import (
     make_layout,
     single_node_layout,
 )
-from longrun.parallel_dims import ParallelDims
+from longrun.parallel.dims import ParallelDims
 
 __all__ = [
     "GROUP_KINDS",

@@ -94,11 +94,12 @@ class ParallelGroups:
         """The 3-D device mesh ("replicate", "shard", "tp") of sharded training, built on the
         groups already formed (no second rendezvous): TP applies on `mesh["tp"]`, FSDP2 on
         `mesh["replicate", "shard"]` (HSDP) or `mesh["shard"]`. Needs the shard group, which
-        is formed where the weights are sharded (fsdp or tp > 1)."""
+        is formed where the weights are sharded (fsdp or tp > 1). Under pipeline parallelism
+        the mesh is this rank's stage's: every stage shards over its own ranks."""
         if not self.layout.dims.sharded:
             raise ValueError("nothing is sharded in this layout (parallelism.fsdp and tp are 1)")
         return DeviceMesh.from_group([self.named["replicate"], self.named["fsdp"], self.named["tp"]],
-                                     device_type, mesh=self.layout.mesh(),
+                                     device_type, mesh=self.layout.mesh(self.layout.coords(self.rank).pp),
                                      mesh_dim_names=("replicate", "shard", "tp"))
 
     @property

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
 
-from longrun.parallel_dims import ParallelDims
+from longrun.parallel.dims import AXES as _AXES
+from longrun.parallel.dims import ParallelDims, RankCoords, coords_of, leads_its_stage
+
+__all__ = ["GROUP_KINDS", "NodeSpec", "RankCoords", "RankLayout", "coords_of", "leads_its_stage",
+           "make_layout", "single_node_layout"]
 
 GROUP_KINDS = ("tp", "cp", "pp", "fsdp", "replicate", "dp", "dp_cp")
-_AXES = ("dp", "fsdp", "pp", "cp", "tp")  # outermost first
 _VARYING = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "fsdp": ("fsdp",), "dp": ("dp",),
             "replicate": ("dp", "cp"), "dp_cp": ("dp", "fsdp", "cp")}
 
@@ -36,15 +39,6 @@ class NodeSpec:
     name: str
     rack: str = ""
     zone: str = ""
-
-
-@dataclass(frozen=True)
-class RankCoords:
-    dp: int
-    pp: int
-    cp: int
-    tp: int
-    fsdp: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,10 +58,7 @@ class RankLayout:
         return rank % self.workers_per_node
 
     def coords(self, rank: int) -> RankCoords:
-        position = {}
-        for axis in reversed(_AXES):
-            rank, position[axis] = divmod(rank, getattr(self.dims, axis))
-        return RankCoords(**position)
+        return coords_of(self.dims, rank)
 
     def rank_of(self, c: RankCoords) -> int:
         rank = 0
@@ -178,14 +169,14 @@ class RankLayout:
         c = self.coords(rank)
         return c.fsdp * self.dims.tp + c.tp
 
-    def mesh(self) -> list[list[list[int]]]:
-        """The world as a 3-D array [replicate][shard][tp] of ranks (pipeline stages aside):
-        what the device mesh of sharded training is built on. Row i of the replicate axis is
-        the i-th rank of each `replicate` group, in (dp, cp) order."""
+    def mesh(self, pp: int = 0) -> list[list[list[int]]]:
+        """Pipeline stage `pp`'s ranks as a 3-D array [replicate][shard][tp]: what the device
+        mesh of sharded training is built on (each stage shards over its own ranks). Row i of
+        the replicate axis is the i-th rank of each `replicate` group, in (dp, cp) order."""
         d = self.dims
-        if d.pp > 1:
-            raise ValueError("a device mesh with pipeline stages is not supported (pp must be 1)")
-        return [[[self.rank_of(RankCoords(dp=i // d.cp, pp=0, cp=i % d.cp, tp=t, fsdp=s))
+        if not 0 <= pp < d.pp:
+            raise ValueError(f"no pipeline stage {pp} in a pipeline of {d.pp}")
+        return [[[self.rank_of(RankCoords(dp=i // d.cp, pp=pp, cp=i % d.cp, tp=t, fsdp=s))
                   for t in range(d.tp)] for s in range(d.fsdp)] for i in range(d.dp * d.cp)]
 
     def tp_crosses_nodes(self) -> bool:

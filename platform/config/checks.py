@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from longrun.health.scaling import shrunk_degrees
-from longrun.parallel_dims import ParallelDims, is_power_of_two, parallel_dims
+from longrun.parallel.dims import ParallelDims, is_power_of_two, parallel_dims
+from longrun.parallel.schedules import MULTI_STAGE, V_SHAPED, ZERO_BUBBLE, total_stages
 
 if TYPE_CHECKING:
     from longrun.config.job import JobConfig
@@ -142,6 +143,60 @@ def _min_nodes_reachable(cfg: JobConfig, dims: ParallelDims) -> Problems:
         f"recovery.min_nodes to {fewest} (the fewest nodes this layout can shrink to) or leave it unset")
 
 
+def _pipeline_runs(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    par, tr, m = cfg.parallelism, cfg.training, cfg.model
+    multi = tr.pp_schedule in MULTI_STAGE
+    if dims.pp == 1:
+        if par.pp_layers is not None:
+            yield "parallelism.pp_layers", ("blocks per stage need pipeline stages; set "
+                                            "parallelism.pp > 1 or remove it")
+        return
+    if m.tie_embeddings:
+        yield "model.tie_embeddings", (
+            "a tied embedding lives on the first stage and the output layer on the last; with "
+            "pipeline stages set model.tie_embeddings to false")
+    if dims.cp_enabled:
+        yield "parallelism.cp", (
+            "context parallelism with pipeline stages is not supported: each stage would need the CP "
+            "plan of every micro-batch in flight. Set parallelism.cp to 1 and dynamic_cp to false, "
+            "or parallelism.pp to 1")
+    if par.pp_virtual_stages > 1 and not multi:
+        yield "parallelism.pp_virtual_stages", (
+            f"{tr.pp_schedule} runs one stage per rank; set pp_virtual_stages to 1 or training.pp_schedule "
+            "to interleaved_1f1b (or looped_bfs, interleaved_zero_bubble)")
+    if tr.pp_schedule in V_SHAPED and par.pp_virtual_stages != 2:
+        yield "parallelism.pp_virtual_stages", f"{tr.pp_schedule} holds two stages per rank; set it to 2"
+    if tr.pp_schedule in ZERO_BUBBLE and tr.activation_checkpointing != "none":
+        yield "training.activation_checkpointing", (
+            f"{tr.pp_schedule} computes each block's input and weight gradients apart, which "
+            "activation checkpointing's recompute cannot do; set it to none or pick 1f1b or "
+            "interleaved_1f1b")
+    stages = total_stages(tr.pp_schedule, dims.pp, par.pp_virtual_stages)
+    if par.pp_layers is not None:
+        if len(par.pp_layers) != stages or sum(par.pp_layers) != m.n_layers:
+            yield "parallelism.pp_layers", (
+                f"{len(par.pp_layers)} counts summing to {sum(par.pp_layers)}; give {stages} (one per "
+                f"stage: pp x stages per rank) summing to model.n_layers ({m.n_layers})")
+    elif stages > m.n_layers:
+        yield "parallelism.pp", (
+            f"{stages} pipeline stages need at least as many transformer blocks; model.n_layers is "
+            f"{m.n_layers}: lower parallelism.pp or pp_virtual_stages")
+    needed = stages if multi else dims.pp
+    if tr.global_batch_tokens is None:
+        if tr.grad_accum < needed:
+            yield "training.grad_accum", (
+                f"{tr.pp_schedule} over {needed} stages needs at least {needed} micro-batches per step "
+                f"(fewer leave stages idle for the whole step); raise training.grad_accum to {needed}")
+    else:
+        per_rank = tr.global_batch_tokens // (cfg.data.micro_batch_tokens * dims.span)
+        if per_rank < needed:
+            yield "training.global_batch_tokens", (
+                f"{tr.global_batch_tokens} tokens make about {per_rank} micro-batches of "
+                f"{cfg.data.micro_batch_tokens} per pipeline; {tr.pp_schedule} over {needed} stages "
+                f"needs at least {needed}: raise training.global_batch_tokens to "
+                f"{needed * cfg.data.micro_batch_tokens * dims.span}")
+
+
 CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _world_fills_the_cluster,
     _tp_inside_a_node,
@@ -153,6 +208,7 @@ CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _warmup_within_the_run,
     _faults_name_real_ranks,
     _min_nodes_reachable,
+    _pipeline_runs,
 )
 
 

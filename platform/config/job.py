@@ -25,7 +25,7 @@ from longrun.config.sections import (
     TrainingSection,
 )
 from longrun.config.vocabulary import resolve_vocabulary
-from longrun.parallel_dims import ParallelDims, parallel_dims
+from longrun.parallel.dims import ParallelDims, parallel_dims
 
 __all__ = ["JobConfig", "cross_section_problems"]
 
@@ -54,7 +54,7 @@ class JobConfig(Section):
     # -- derived values ------------------------------------------------------------------------
     @property
     def dims(self) -> ParallelDims:
-        """The parallel layout (`longrun.parallel_dims`): world, span, CP group sizes."""
+        """The parallel layout (`longrun.parallel.dims`): world, span, CP group sizes."""
         return parallel_dims(self)
 
     @property

@@ -22,6 +22,12 @@ The estimate has five parts, per rank:
   gathered inputs of the column-parallel projections (2 x dim); full checkpointing keeps only
   each block's input plus one block being recomputed; selective keeps the matmul, attention
   and collective outputs (about 5 x dim + 2 x kv_dim + 2 x ffn_dim).
+- **pipeline stages**: a rank holds its stages' blocks (`parallelism.pp_layers` or the even
+  split), the embedding on the first stage and the final norm and output layer on the last;
+  its activations are those of its own layers for the micro-batches its schedule keeps in
+  flight (`schedules.micro_batches_in_flight`: p - r for 1F1B at rank r, all for GPipe, the
+  interleaved warm-up otherwise), and the output layer's log-probabilities on the last stage
+  only. The plan of a pipeline job is its fullest rank's; `stage_plans` gives every one.
 - Nothing for the allocator's fragmentation, the CUDA context or communication buffers: leave
   headroom (`plan_problem` asks for 10%).
 """
@@ -32,8 +38,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from longrun.config.sections import DataSection, ModelSection, TrainingSection
-from longrun.parallel_dims import ParallelDims
+from longrun.config.sections import DataSection, ModelSection, ParallelismSection, TrainingSection
+from longrun.parallel.dims import ParallelDims
+from longrun.parallel.schedules import micro_batches_in_flight, stage_layers, stages_of_rank, total_stages
 
 if TYPE_CHECKING:
     from longrun.config.job import JobConfig
@@ -52,29 +59,41 @@ def parameter_counts(m: ModelSection) -> tuple[int, int, int]:
     return m.n_layers * block + root, block, root
 
 
-def kept_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
-    """Values kept from a micro-batch's forward until its backward, per token (see the module
-    docstring); what autograd's saved-tensor hooks see outside any checkpointed region."""
+def kept_values_per_token_and_layer(m: ModelSection, tp: int, checkpointing: str) -> float:
+    """Values one transformer block keeps from a micro-batch's forward until its backward, per
+    token (see the module docstring); what autograd's saved-tensor hooks see outside any
+    checkpointed region."""
     kv = m.kv_heads * m.head_dim
     gathered = 2 * m.dim * (1 - 1 / tp)  # inputs of the column-parallel projections, all tokens
     if checkpointing == "full":
-        per_layer = m.dim / tp  # the block's input (sequence-sharded under TP)
-    elif checkpointing == "selective":
-        per_layer = (5 * m.dim + 2 * kv + 2 * m.hidden_dim) / tp + gathered
-    else:
-        per_layer = (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + gathered
-    root = m.vocab_size / tp + 3 * m.dim  # log-probabilities (vocabulary-parallel), final norm
-    return m.n_layers * per_layer + root
+        return m.dim / tp  # the block's input (sequence-sharded under TP)
+    if checkpointing == "selective":
+        return (5 * m.dim + 2 * kv + 2 * m.hidden_dim) / tp + gathered
+    return (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + gathered
+
+
+def root_values_per_token(m: ModelSection, tp: int) -> float:
+    """What the output layer keeps per token: log-probabilities (vocabulary-parallel), final norm."""
+    return m.vocab_size / tp + 3 * m.dim
+
+
+def kept_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
+    """Values kept from a micro-batch's forward until its backward, per token, by the whole model."""
+    return m.n_layers * kept_values_per_token_and_layer(m, tp, checkpointing) + root_values_per_token(m, tp)
+
+
+def recomputed_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
+    """Under full checkpointing, the one block whose forward backward recomputes at a time."""
+    if checkpointing != "full":
+        return 0.0
+    kv = m.kv_heads * m.head_dim
+    return (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + 2 * m.dim * (1 - 1 / tp)
 
 
 def activation_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
     """Peak activation values per token: what is kept, plus under full checkpointing the one
     block whose forward backward recomputes at a time."""
-    kept = kept_values_per_token(m, tp, checkpointing)
-    if checkpointing != "full":
-        return kept
-    kv = m.kv_heads * m.head_dim
-    return kept + (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + 2 * m.dim * (1 - 1 / tp)
+    return kept_values_per_token(m, tp, checkpointing) + recomputed_values_per_token(m, tp, checkpointing)
 
 
 @dataclass(frozen=True)
@@ -87,35 +106,86 @@ class MemoryPlan:
     gathered: float
     activations: float
     tokens_per_rank: int
+    pp_rank: int | None = None  # the pipeline rank this plan is of (None: no pipeline)
+    layers: int | None = None  # the transformer blocks that rank holds
+    in_flight: float = 1.0  # micro-batches whose activations it keeps at its peak
 
     @property
     def total_bytes(self) -> float:
         return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
 
     def rows(self) -> list[tuple[str, float]]:
+        flight = f" x {self.in_flight:g} micro-batches in flight" if self.pp_rank is not None else ""
         return [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer), ("gathered weights (FSDP)", self.gathered),
-                (f"activations ({self.tokens_per_rank} tokens)", self.activations),
+                (f"activations ({self.tokens_per_rank} tokens{flight})", self.activations),
                 ("total", self.total_bytes)]
 
 
 def memory_plan(m: ModelSection, dims: ParallelDims, training: TrainingSection, data: DataSection, *,
-                reshard_after_forward: bool = True, on_gpu: bool = True) -> MemoryPlan:
+                reshard_after_forward: bool = True, on_gpu: bool = True,
+                parallelism: ParallelismSection | None = None) -> MemoryPlan:
     """The estimate for one rank of this layout (`on_gpu`: bf16 is the compute dtype when
-    training.dtype says so; on CPU everything is fp32)."""
+    training.dtype says so; on CPU everything is fp32); under pipeline parallelism the fullest
+    pipeline rank's (`parallelism` gives its virtual stages and blocks per stage)."""
+    if dims.pp > 1:
+        plans = stage_plans(m, dims, training, data, reshard_after_forward=reshard_after_forward,
+                            on_gpu=on_gpu, parallelism=parallelism)
+        return max(plans, key=lambda p: p.total_bytes)
     total, block, root = parameter_counts(m)
-    pieces = dims.fsdp * dims.tp
-    held = total / pieces
+    return _plan(m, dims, training, data, params=total, blocks=m.n_layers, block=block, root=root,
+                 output=True, in_flight=1.0, reshard_after_forward=reshard_after_forward, on_gpu=on_gpu)
+
+
+def stage_plans(m: ModelSection, dims: ParallelDims, training: TrainingSection, data: DataSection, *,
+                reshard_after_forward: bool = True, on_gpu: bool = True,
+                parallelism: ParallelismSection | None = None) -> list[MemoryPlan]:
+    """The estimate for each pipeline rank, first to last."""
+    par = parallelism or ParallelismSection(pp=dims.pp)
+    _, block, _ = parameter_counts(m)
+    embedding, output = m.vocab_size * m.dim, m.vocab_size * m.dim + m.dim
+    schedule, virtual = training.pp_schedule, par.pp_virtual_stages
+    n_stages = total_stages(schedule, dims.pp, virtual)
+    ranges = stage_layers(m.n_layers, n_stages, par.pp_layers)
+    micro_batches = pipeline_micro_batches(training, data, dims)
+    plans = []
+    for r in range(dims.pp):
+        stages = stages_of_rank(r, dims.pp, virtual, schedule)
+        blocks = sum(len(ranges[s]) for s in stages)
+        first, last = 0 in stages, n_stages - 1 in stages
+        root = embedding * first + output * last
+        flight = micro_batches_in_flight(schedule, dims.pp, micro_batches, r, virtual)
+        plan = _plan(m, dims, training, data, params=blocks * block + root, blocks=blocks, block=block,
+                     root=root, output=last, in_flight=flight, reshard_after_forward=False, on_gpu=on_gpu)
+        plans.append(dataclasses.replace(plan, pp_rank=r, layers=blocks, in_flight=flight))
+    return plans
+
+
+def pipeline_micro_batches(training: TrainingSection, data: DataSection, dims: ParallelDims) -> int:
+    """Micro-batches one pipeline runs per step (grad_accum, or what the global batch holds)."""
+    if training.global_batch_tokens is None:
+        return training.grad_accum
+    return max(1, training.global_batch_tokens // (data.micro_batch_tokens * dims.span))
+
+
+def _plan(m: ModelSection, dims: ParallelDims, training: TrainingSection, data: DataSection, *,
+          params: int, blocks: int, block: int, root: int, output: bool, in_flight: float,
+          reshard_after_forward: bool, on_gpu: bool) -> MemoryPlan:
+    """One rank holding `params` parameters: `blocks` transformer blocks of `block` each and
+    `root` in the embedding and output layer (`output`: it computes the logits)."""
+    held = params / (dims.fsdp * dims.tp)
     half = on_gpu and training.dtype == "bfloat16"
     compute_bytes = 2 if half else 4
     gathered = 0.0
     if dims.fsdp > 1:
-        live_blocks = m.n_layers if not reshard_after_forward else min(2, m.n_layers)
+        live_blocks = blocks if not reshard_after_forward else min(2, blocks)
         # Gathered weights in the parameter dtype; a block's full gradients in fp32.
         gathered = (live_blocks * block + root) * compute_bytes / dims.tp + block * 4 / dims.tp
-    tokens = data.micro_batch_tokens
-    activations = tokens * activation_values_per_token(m, dims.tp, training.activation_checkpointing) \
-        * compute_bytes
+    tokens, ac = data.micro_batch_tokens, training.activation_checkpointing
+    per_token = blocks * kept_values_per_token_and_layer(m, dims.tp, ac) + \
+        (root_values_per_token(m, dims.tp) if output else 0.0)
+    per_token = per_token * in_flight + recomputed_values_per_token(m, dims.tp, ac)
+    activations = tokens * per_token * compute_bytes
     return MemoryPlan(parameters=held * 4, gradients=held * 4, optimizer=held * 8, gathered=gathered,
                       activations=activations, tokens_per_rank=tokens)
 
@@ -123,7 +193,7 @@ def memory_plan(m: ModelSection, dims: ParallelDims, training: TrainingSection, 
 def plan_for(cfg: JobConfig) -> MemoryPlan:
     return memory_plan(cfg.model, cfg.dims, cfg.training, cfg.data,
                        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                       on_gpu=cfg.cluster.device != "cpu")
+                       on_gpu=cfg.cluster.device != "cpu", parallelism=cfg.parallelism)
 
 
 def _alternatives(cfg: JobConfig) -> list[tuple[str, MemoryPlan]]:
@@ -135,17 +205,19 @@ def _alternatives(cfg: JobConfig) -> list[tuple[str, MemoryPlan]]:
     for mode in ("selective", "full"):
         if tr.activation_checkpointing != mode:
             plan = memory_plan(m, dims, tr.model_copy(update={"activation_checkpointing": mode}), data,
-                               reshard_after_forward=raf, on_gpu=on_gpu)
+                               reshard_after_forward=raf, on_gpu=on_gpu, parallelism=cfg.parallelism)
             out.append((f"training.activation_checkpointing: {mode}", plan))
     if not raf and dims.fsdp > 1:
         out.append(("parallelism.fsdp_reshard_after_forward: true",
-                    memory_plan(m, dims, tr, data, reshard_after_forward=True, on_gpu=on_gpu)))
+                    memory_plan(m, dims, tr, data, reshard_after_forward=True, on_gpu=on_gpu,
+                                parallelism=cfg.parallelism)))
     factor = 2
     while dims.dp % factor == 0:
         moved = dataclasses.replace(dims, dp=dims.dp // factor, fsdp=dims.fsdp * factor)
         out.append((f"parallelism.fsdp: {moved.fsdp} with dp: {moved.dp} (shard the weights, "
                     "gradients and optimizer state instead of replicating them)",
-                    memory_plan(m, moved, tr, data, reshard_after_forward=raf, on_gpu=on_gpu)))
+                    memory_plan(m, moved, tr, data, reshard_after_forward=raf, on_gpu=on_gpu,
+                                parallelism=cfg.parallelism)))
         factor *= 2
     return out
 

@@ -1,7 +1,7 @@
 """What this version of longrun can run, beyond what makes a config valid.
 
 A valid config (`JobConfig`) describes a job that makes sense; a runnable one is also a job
-the controller's workers can train here: no pipeline stages yet, something to split for
+the controller's workers can train here: something to split for
 dynamic CP, a layout whose estimated memory fits `cluster.device_memory_gb` (`memory.py`),
 and, for a submitted job, checkpoints on a path every node resolves alike (absolute or a URL).
 `longrun config validate`, `run` and `submit` all ask this one function, so validate never
@@ -42,15 +42,12 @@ def runnable_problems(cfg: JobConfig, *, runs_here: bool = True) -> list[tuple[s
         except RedisPasswordError as exc:
             problems.append(("cluster.redis_url", str(exc)))
     par = cfg.parallelism
-    if par.pp > 1:
-        problems.append(("parallelism.pp", f"the trainer has no pipeline parallelism yet (pp {par.pp}); "
-                         "set it to 1 and use tp and fsdp to fit the model"))
     if par.dynamic_cp and cfg.world_size < 2:
         problems.append(("parallelism.dynamic_cp", "dynamic context parallelism splits sequences "
                          "across workers; a one-worker job has nothing to split. Set it to false "
                          "or add workers."))
     if cfg.model.init_from:
-        from longrun.checkpoint.hf import init_from_problem
+        from longrun.interop.hf import init_from_problem
 
         if problem := init_from_problem(cfg.model):
             problems.append(("model.init_from", problem))

@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
-from longrun.parallel_dims import CPImpl
+from longrun.parallel.dims import CPImpl
+from longrun.parallel.schedules import PipelineSchedule
 from longrun.redis_password import (
     REFERENCE,
     RedisPasswordError,
@@ -107,7 +108,15 @@ class ParallelismSection(Section):
         "them again in backward (less memory); false keeps them until backward (less traffic).")
     tp: PositiveInt = Field(1, description="Tensor-parallel degree (kept inside a node).")
     cp: PositiveInt = Field(1, description="Context-parallel degree (static upper bound).")
-    pp: PositiveInt = Field(1, description="Pipeline-parallel degree.")
+    pp: PositiveInt = Field(1, description="Pipeline-parallel degree: the model cut into this many "
+                            "ranks' worth of stages by transformer blocks (embedding on the first, "
+                            "norm and output on the last).")
+    pp_virtual_stages: PositiveInt = Field(
+        1, description="Stages per pipeline rank for the multi-stage schedules (interleaved_1f1b, "
+        "looped_bfs, interleaved_zero_bubble; zbv_zero_bubble holds 2): more stages, a smaller bubble.")
+    pp_layers: list[PositiveInt] | None = Field(
+        None, description="Transformer blocks of each stage, first to last (pp x virtual stages "
+        "counts summing to model.n_layers); null: an even split, the remainder to the first stages.")
     cp_impl: CPImpl = Field("ring", description="Attention across a CP group: ring, ulysses "
                             "(heads split by all-to-all) or usp (Ulysses inside, ring across).")
     dynamic_cp: bool = Field(False, description="Choose the CP size per micro-batch with the solver.")
@@ -292,6 +301,9 @@ class TrainingSection(Section):
     )
     log_every: PositiveInt = Field(
         1, description="The job's progress line (printed by the driver) every this many steps, and the last.")
+    pp_schedule: PipelineSchedule = Field(
+        "1f1b", description="Pipeline schedule (parallelism.pp > 1): gpipe, 1f1b, interleaved_1f1b, "
+        "looped_bfs, interleaved_zero_bubble or zbv_zero_bubble (torch.distributed.pipelining's).")
 
 
 class CheckpointSection(Section):

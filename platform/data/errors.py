@@ -1,6 +1,6 @@
 """The one error of data preparation and reading: bad input a user can fix.
 
-It lives here, not in `longrun.trainer.data`, because importing anything under
+It lives here, not in `longrun.data.documents`, because importing anything under
 `longrun.trainer` imports torch (the package's `__init__`), and preparing data needs none.
 """
 

@@ -18,16 +18,14 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from longrun.config.vocabulary import BYTE_TOKENIZER_SHA256
+from longrun.data.byte_tokenizer import ByteTokenizer
 from longrun.data.errors import DataError
 from longrun.data.sources import SourceStats, read_texts
-
-if TYPE_CHECKING:
-    from longrun.trainer.tokenizer import ByteTokenizer
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # trained first: ids 0, 1, 2
@@ -155,10 +153,6 @@ def load_tokenizer(spec: str | None, vocab_size: int | None = None) -> ByteToken
     (or a directory holding one). `vocab_size` is the model's: it may pad the vocabulary, never
     cut it (TokenizerError naming both)."""
     if spec is None or str(spec) == "byte":
-        # Imported here: longrun.trainer's package __init__ imports torch, which preparing data
-        # with a BPE tokenizer (and every worker process) must not pay for.
-        from longrun.trainer.tokenizer import ByteTokenizer
-
         return ByteTokenizer(vocab_size or 260)
     tok = BPETokenizer(tokenizer_file(spec))
     if vocab_size is not None and vocab_size < tok.vocab_size:

@@ -33,6 +33,7 @@ class Heartbeat:
     attempt: int = 0
     resumed_from: int = 0  # the checkpoint step this attempt restored (0: none)
     metrics_addr: str | None = None  # host:port of the worker's /metrics, for service discovery
+    pp_stage: int | None = None  # the rank's pipeline position (None: no pipeline stages)
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
     sent_at: float = 0.0  # wall clock of the publisher

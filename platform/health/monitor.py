@@ -180,7 +180,8 @@ class HealthMonitor:
         track.hang_reported_step = track.step
         basis = "hard ceiling" if timeout == self.health.hang_timeout_s else "learned from its step times"
         return Fault(FaultKind.HANG, rank, track.step, now,
-                     f"rank {rank} made no progress past step {track.step} in phase '{track.phase}' "
+                     f"rank {rank}{_stage(track)} made no progress past step {track.step} in phase "
+                     f"'{track.phase}' "
                      f"for {stalled:.1f} s (timeout {timeout:.1f} s, {basis})")
 
     def _judge_stragglers(self, candidates: list[tuple[int, RankTrack, Heartbeat]],
@@ -246,3 +247,8 @@ class HealthMonitor:
             for step in sorted(self._losses)[:-LOSS_HISTORY // 2]:
                 del self._losses[step]
         return []
+
+
+def _stage(track: RankTrack) -> str:
+    """" (pipeline stage 1)" for a rank of a pipeline; nothing otherwise."""
+    return f" (pipeline stage {track.pp_stage})" if track.pp_stage is not None else ""

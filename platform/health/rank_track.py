@@ -22,6 +22,7 @@ class RankTrack:
     seen: bool = False
     step: int | None = None
     phase: str = "starting"
+    pp_stage: int | None = None  # the rank's pipeline position, as its heartbeat says
     last_seen_at: float = 0.0  # caller clock of the last poll that had this rank's heartbeat
     last_sent_at: float | None = None  # publisher clock of that heartbeat
     progress_at: float = 0.0  # judging clock of the last step advance (or exit from a slow phase)
@@ -65,6 +66,7 @@ class RankTrack:
         if slow_phase:
             self.interval_clean = False  # the interval includes non-step work: not a step time
         self.phase = beat.phase
+        self.pp_stage = beat.pp_stage
         self.last_seen_at = now
         self.last_sent_at = beat.sent_at
 

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from longrun.config import JobConfig
-from longrun.trainer.corpus import Corpus
+from longrun.data.corpus import Corpus
+from longrun.data.documents import DocumentSampler
+from longrun.data.mixture import MixtureSampler
+from longrun.data.packing import Prefetcher, global_batches
 from longrun.trainer.cp.batches import ContextParallelSetup, planned_steps
-from longrun.trainer.data import DocumentSampler
-from longrun.trainer.mixture import MixtureSampler
-from longrun.trainer.packing import Prefetcher, global_batches
 from longrun.trainer.step import StepWork, data_parallel_step, planned_step
 
 

@@ -11,6 +11,7 @@ Tokens never attend across documents; how that is computed is `packed_attention.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,6 +70,50 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
+@dataclass(frozen=True)
+class PackedStream:
+    """One micro-batch's stream as the decoder's layers take it: tokens and positions (padded at
+    the end where asked) and how its tokens attend."""
+
+    tokens: Tensor
+    positions: Tensor
+    layout: AttentionLayout
+
+
+def packed_stream(cfg: ModelSection, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None,
+                  context_parallel: ContextParallelAttention | None = None, *, multiple: int = 1,
+                  length: int | None = None) -> PackedStream:
+    """Check a packed stream and build its attention layout; pad it to `length` tokens (a
+    pipeline's fixed micro-batch shape) or else to the next multiple of `multiple` (sequence
+    parallelism). Padding attends to nothing and is attended by nothing (`PaddedLayout`)."""
+    if tokens.dim() != 1 or positions.shape != tokens.shape:
+        raise ValueError(
+            f"tokens and positions must be 1-D and of equal length (a packed stream); got "
+            f"{tuple(tokens.shape)} and {tuple(positions.shape)}"
+        )
+    layout: AttentionLayout
+    if context_parallel is not None:
+        layout, longest = context_parallel, int(context_parallel.layout.lengths.max())
+    elif cu_seqlens is None:
+        raise ValueError("cu_seqlens is required without context parallelism")
+    else:
+        layout = PackedLayout.from_cu_seqlens(cu_seqlens, tokens.shape[0], tokens.device)
+        longest = layout.max_seqlen
+    if longest > cfg.max_seq_len:
+        raise ValueError(
+            f"a document of {longest} tokens exceeds model.max_seq_len "
+            f"({cfg.max_seq_len}); chunk documents to max_seq_len"
+        )
+    n = tokens.shape[0]
+    if length is not None and length < n:
+        raise ValueError(f"a stream of {n} tokens does not fit the fixed length {length}")
+    pad = (length - n) if length is not None else -n % multiple
+    if pad:
+        layout = PaddedLayout(layout, n)
+        tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
+    return PackedStream(tokens, positions, layout)
+
+
 # --- the decoder -----------------------------------------------------------------------------
 
 
@@ -117,6 +162,13 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model, or of a pipeline stage's part of one (whose `layers`
+    is keyed by the whole model's block numbers)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelSection):
         super().__init__()
@@ -161,39 +213,18 @@ class Transformer(nn.Module):
 
         Under context parallelism the tokens are this rank's shard (`cp_layout.LocalShard`)
         and `context_parallel` says how to attend across the group; cu_seqlens is unused."""
-        if tokens.dim() != 1 or positions.shape != tokens.shape:
-            raise ValueError(
-                f"tokens and positions must be 1-D and of equal length (a packed stream); got "
-                f"{tuple(tokens.shape)} and {tuple(positions.shape)}"
-            )
-        layout: AttentionLayout
-        if context_parallel is not None:
-            layout, longest = context_parallel, int(context_parallel.layout.lengths.max())
-        elif cu_seqlens is None:
-            raise ValueError("cu_seqlens is required without context parallelism")
-        else:
-            layout = PackedLayout.from_cu_seqlens(cu_seqlens, tokens.shape[0], tokens.device)
-            longest = layout.max_seqlen
-        if longest > self.cfg.max_seq_len:
-            raise ValueError(
-                f"a document of {longest} tokens exceeds model.max_seq_len "
-                f"({self.cfg.max_seq_len}); chunk documents to max_seq_len"
-            )
-        pad = -tokens.shape[0] % self.sequence_multiple
-        if pad:
-            layout = PaddedLayout(layout, tokens.shape[0])
-            tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
-        cos, sin = self.rotary(positions)
-        h = self.tok_embeddings(tokens)
+        stream = packed_stream(self.cfg, tokens, positions, cu_seqlens, context_parallel,
+                               multiple=self.sequence_multiple)
+        cos, sin = self.rotary(stream.positions)
+        h = self.tok_embeddings(stream.tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, layout)
+            h = layer(h, cos, sin, stream.layout)
         return self.output(self.norm(h))
 
     def flops_of_documents(self, lengths: np.ndarray) -> float:
-        """Training FLOPs of one packed micro-batch of documents of these lengths: per token,
-        with the attention term at sum(l^2) / sum(l), which makes it exact for packed documents."""
-        lens = np.asarray(lengths, dtype=np.float64)
-        return self.flops_per_token((lens**2).sum() / lens.sum()) * lens.sum()
+        """Training FLOPs of one packed micro-batch of documents of these lengths (see
+        `FlopsModel.of_documents`)."""
+        return FlopsModel.of(self).of_documents(lengths)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (a tied matrix counted once). exclude_embedding drops the input
@@ -202,12 +233,35 @@ class Transformer(nn.Module):
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
     def flops_per_token(self, seq_len: int | float) -> float:
+        """Training FLOPs per token (see `FlopsModel.per_token`)."""
+        return FlopsModel.of(self).per_token(seq_len)
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """What a model's training FLOPs depend on, without its weights (a pipeline stage keeps
+    only its own blocks, but MFU counts the whole model's work)."""
+
+    cfg: ModelSection
+    matmul_params: int  # parameters that take part in a matmul (the output layer even when tied)
+
+    @classmethod
+    def of(cls, model: Transformer) -> FlopsModel:
+        n = model.num_params(exclude_embedding=True)
+        if model.cfg.tie_embeddings:
+            n += model.output.weight.numel()
+        return cls(model.cfg, n)
+
+    def per_token(self, seq_len: int | float) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N for the matmuls
         plus 12 * n_layers * n_heads * head_dim * seq_len for attention scores and values.
         N counts the output projection even when tied (it is a matmul; the lookup is not).
         For packed documents pass sum(l^2) / sum(l): then this is exact per token."""
         c = self.cfg
-        n = self.num_params(exclude_embedding=True)
-        if c.tie_embeddings:
-            n += self.output.weight.numel()
-        return 6.0 * n + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
+        return 6.0 * self.matmul_params + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
+
+    def of_documents(self, lengths: np.ndarray) -> float:
+        """Training FLOPs of one packed micro-batch of documents of these lengths: per token,
+        with the attention term at sum(l^2) / sum(l), which makes it exact for packed documents."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        return self.per_token((lens**2).sum() / lens.sum()) * lens.sum()

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from longrun.trainer.corpus import Corpus
-from longrun.trainer.packing import GlobalBatch, MicroBatch, build_micro_batch
+from longrun.data.corpus import Corpus
+from longrun.data.packing import GlobalBatch, MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
     from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch

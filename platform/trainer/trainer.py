@@ -41,20 +41,21 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from longrun.checkpoint.hf_import import load_hf_weights
 from longrun.config import JobConfig
+from longrun.data.documents import build_corpus
+from longrun.data.mixture import build_sampler
+from longrun.data.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
 from longrun.data.tokenizers import load_tokenizer
+from longrun.interop.hf_import import load_hf_weights
 from longrun.kinds import Phase
+from longrun.parallel.parallelize import parallelize
+from longrun.parallel.pipeline import PipelinedModel, PipelinePlan
 from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch
 from longrun.trainer.cp.planner import Plan
-from longrun.trainer.data import build_corpus
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.feed import StepFeed
-from longrun.trainer.mixture import build_sampler
-from longrun.trainer.model import Transformer
+from longrun.trainer.model import FlopsModel, Transformer
 from longrun.trainer.optim import build_optimizer
-from longrun.trainer.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
-from longrun.trainer.parallelize import parallelize
 from longrun.trainer.progress import ProgressPrinter, StepMetrics
 from longrun.trainer.runtime import (
     peak_memory_bytes,
@@ -84,7 +85,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device | str | None = None, *,
                  dp_group: dist.ProcessGroup | None = None,
                  context_parallel: ContextParallelSetup | None = None,
-                 mesh: DeviceMesh | None = None,
+                 mesh: DeviceMesh | None = None, pipeline_group: dist.ProcessGroup | None = None,
                  peak_flops: float | None = None, progress: bool = True, load_init_from: bool = True):
         self.cfg = cfg
         # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
@@ -100,6 +101,7 @@ class Trainer:
             # that is about to restore a checkpoint skips this (load_init_from=False).
             self.model.load_state_dict(load_hf_weights(cfg.model.init_from, cfg.model))
         self.model = self.model.to(self.device)
+        self.flops = FlopsModel.of(self.model)  # the whole model's, whatever this rank keeps of it
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
         # Under context parallelism gradients are summed over all dp x cp ranks (each rank
         # back-propagates its own tokens' loss; the ring returns dK/dV to their owners).
@@ -109,9 +111,21 @@ class Trainer:
                              "ranks), not both")
         # Where the weights are sharded (fsdp or tp > 1), `mesh` is the job's device mesh.
         span_group = context_parallel.span_group if context_parallel is not None else dp_group
+        if (cfg.dims.pp > 1) != (pipeline_group is not None):
+            raise ValueError(f"parallelism.pp = {cfg.dims.pp}: pass the pipeline group exactly when pp > 1")
+        pipeline = None
+        if pipeline_group is not None:
+            pipeline = PipelinePlan(pipeline_group, dist.get_rank(pipeline_group),
+                                    schedule=cfg.training.pp_schedule,
+                                    virtual_stages=cfg.parallelism.pp_virtual_stages,
+                                    layers_per_stage=cfg.parallelism.pp_layers,
+                                    micro_batch_tokens=cfg.data.micro_batch_tokens)
         self.parallel = parallelize(self.model, cfg.dims, cfg.training, span_group=span_group,
-                                    mesh=mesh, prime=self._priming_loss,
+                                    mesh=mesh, prime=self._priming_loss, pipeline=pipeline,
                                     reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
+        # Under pipeline parallelism this rank keeps only its stages' pieces (the rest is freed).
+        self.model = self.parallel.module
+        self.pipeline = self.parallel if isinstance(self.parallel, PipelinedModel) else None
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
@@ -132,9 +146,8 @@ class Trainer:
         self.before_update: list[Callable[[], None]] = []
         self.printer = (ProgressPrinter(cfg.training.steps, cfg.training.log_every,
                                         layout=self.layout) if progress else None)
-        log.info("model: %s parameters (%s without the embedding), %d documents in the corpus",
-                 f"{self.model.num_params():,}",
-                 f"{self.model.num_params(exclude_embedding=True):,}", len(self.corpus))
+        log.info("model: %s parameters on this rank, %d documents in the corpus",
+                 f"{sum(p.numel() for p in self.model.parameters()):,}", len(self.corpus))
 
     def close(self) -> None:
         """Stop the data thread. The sampler may then be repositioned; training may go on."""
@@ -186,6 +199,8 @@ class Trainer:
             loss_tokens.clamp_(min=1)
         else:
             loss_tokens = max(work.loss_tokens, 1)
+        if self.pipeline is not None:
+            return self._forward_backward_pipelined(work, loss_tokens)
         loss_sum = torch.zeros((), device=self.device)
         flops = 0.0
         for i, mb in enumerate(work.micro_batches):
@@ -194,9 +209,21 @@ class Trainer:
                 continue
             loss_sum += self._micro_batch(mb, last=last, loss_tokens=loss_tokens)
             if not mb.idle:  # this rank's share of its group's work
-                flops += self.model.flops_of_documents(mb.documents.seq_lens) / mb.share
+                flops += self.flops.of_documents(mb.documents.seq_lens) / mb.share
         self.on_phase(Phase.SYNC)
         return (self.parallel.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
+
+    def _forward_backward_pipelined(self, work: StepWork, loss_tokens) -> tuple[float, float]:
+        """`forward_backward` through the pipeline schedule: every micro-batch of the step at
+        once (the schedule interleaves their forwards and backwards across the stages). The
+        loss is the last stage's, summed over the span and then shared with every stage."""
+        assert self.pipeline is not None
+        self.on_phase(Phase.PIPELINE)
+        loss = self.pipeline.forward_backward([mb.inputs for mb in work.micro_batches], loss_tokens)
+        flops = sum(self.flops.of_documents(mb.documents.seq_lens)
+                    for mb in work.micro_batches if not mb.idle) * self.pipeline.layer_share
+        self.on_phase(Phase.SYNC)
+        return self.pipeline.pipeline_sum(self.parallel.all_reduce_sum(loss)).item(), flops
 
     def _micro_batch(self, mb: MicroBatchWork, *, last: bool, loss_tokens) -> torch.Tensor:
         """Forward and backward of one micro-batch (gradients synchronised only when `last`);
@@ -233,6 +260,8 @@ class Trainer:
         """Global gradient norm (before clipping); clipped to training.grad_clip unless 0."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.training.grad_clip
+        if self.pipeline is not None:
+            return self._clip_pipelined(params, clip)
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         else:
@@ -240,6 +269,17 @@ class Trainer:
         # Sharded gradients (FSDP) give a DTensor norm of partial sums: the global value is
         # its full tensor (one all-reduce over the shards).
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _clip_pipelined(self, params: list[torch.nn.Parameter], clip: float) -> torch.Tensor:
+        """The norm over every stage's gradients (each rank holds only its stages'): squares
+        summed over the pipeline, then each stage clipped by the one global norm."""
+        assert self.pipeline is not None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = self.pipeline.pipeline_sum(norm.pow(2)).sqrt()
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+        return norm
 
     def _next_step(self) -> tuple[StepWork, float]:
         """The next step's work and the seconds spent waiting for it. Under context

@@ -21,6 +21,7 @@ from longrun.health.heartbeat import HeartbeatPublisher
 from longrun.kinds import FaultKind, Phase
 from longrun.observability.discovery import advertised_address
 from longrun.observability.metrics import WorkerMetrics
+from longrun.parallel.dims import coords_of
 from longrun.services.redis_client import patient_client, quick_client
 from longrun.worker.rank_log import RankLogShipper
 
@@ -150,7 +151,8 @@ class TrainWorker:
             self.metrics_port = metrics.serve(obs.metrics_host, obs.metrics_port)
             # Published in the heartbeat: the controller turns it into Prometheus scrape targets.
             address = advertised_address(obs.metrics_host, self.metrics_port)
-            beat.update(phase=Phase.SETUP, metrics_addr=address)
+            beat.update(phase=Phase.SETUP, metrics_addr=address,
+                        pp_stage=coords_of(cfg.dims, self.rank).pp if cfg.dims.pp > 1 else None)
             summary = self._train(beat, metrics, ledger_client, client)
         except BaseException as exc:
             # Into this rank's log file too (the traceback Ray prints goes only to Ray's log).

@@ -102,7 +102,8 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None, device: torch.d
     Gradients are summed over the span (dp x fsdp x cp ranks). Without context parallelism
     each span rank draws its own share of the global batch; with it, every rank of the span
     draws the same global batch and the plan splits it. Where the weights are sharded (fsdp
-    or tp > 1) the trainer gets the device mesh built on the groups already formed.
+    or tp > 1) the trainer gets the device mesh built on the groups already formed (its pipeline
+    stage's), and under pipeline parallelism its pipeline group (the ranks of its stages).
     `resuming`: a restore will replace the initial weights, so model.init_from is not read.
     Ranks print no step lines: the driver shows the job's (observability/progress.py)."""
     peak = peak_flops(device, cfg.cluster.peak_tflops)
@@ -110,8 +111,9 @@ def build_trainer(cfg: JobConfig, groups: ParallelGroups | None, device: torch.d
     replicas = replicas_of(groups)
     if not cfg.dims.cp_enabled:
         dp_group = groups.dp_cp if groups else None
-        trainer = Trainer(cfg, device, dp_group=dp_group, mesh=mesh, peak_flops=peak,
-                          load_init_from=not resuming, progress=False)
+        pipeline = groups.pp if groups is not None and cfg.dims.pp > 1 else None
+        trainer = Trainer(cfg, device, dp_group=dp_group, mesh=mesh, pipeline_group=pipeline,
+                          peak_flops=peak, load_init_from=not resuming, progress=False)
         return trainer, replicas
     from longrun.trainer.cp.batches import one_rank_setup, setup_from_parallel_groups
     from longrun.trainer.cp.calibration import load_or_calibrate

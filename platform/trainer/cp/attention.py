@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longrun.parallel_dims import CPImpl
+from longrun.parallel.dims import CPImpl
 from longrun.trainer.cp.layout import ShardLayout
 from longrun.trainer.cp.ring import Ring, ring_attention
 from longrun.trainer.cp.ulysses import HeadsToSeq, SeqToHeads

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longrun.parallel_dims import ParallelDims
-from longrun.trainer.corpus import Corpus
+from longrun.data.corpus import Corpus
+from longrun.data.packing import GlobalBatch, MicroBatch, build_micro_batch
+from longrun.parallel.dims import ParallelDims
 from longrun.trainer.cp.attention import ContextParallelAttention, CPGroups
 from longrun.trainer.cp.layout import LocalShard, ShardLayout
 from longrun.trainer.cp.planner import CostModel, Plan, PlannedGroup, plan_dynamic, plan_static
-from longrun.trainer.packing import GlobalBatch, MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
     from longrun.commgroup.groups import ParallelGroups

@@ -35,12 +35,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longrun.parallel_dims import padded_tokens_per_rank
+from longrun.data.packing import MicroBatch, build_micro_batch
+from longrun.parallel.dims import padded_tokens_per_rank
 from longrun.trainer.cp.batches import RankMicroBatch
 from longrun.trainer.cp.cost import CostModel
 from longrun.trainer.cp.layout import ShardLayout
 from longrun.trainer.cp.plan import PlannedGroup
-from longrun.trainer.packing import MicroBatch, build_micro_batch
 
 if TYPE_CHECKING:
     from longrun.trainer.trainer import Trainer

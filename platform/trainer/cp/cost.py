@@ -26,7 +26,7 @@ COST_MODEL_FORMAT = "longrun.dynamic_cp.CostModel/2"
 
 
 def padded_shares(lengths: np.ndarray, cp: int) -> np.ndarray:
-    """`padded_tokens_per_rank` (`longrun.parallel_dims`) over an int64 array."""
+    """`padded_tokens_per_rank` (`longrun.parallel.dims`) over an int64 array."""
     if cp == 1:
         return lengths
     return -(-lengths // (2 * cp)) * 2

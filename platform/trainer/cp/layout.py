@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from longrun.trainer.packing import IGNORE_INDEX, MicroBatch
+from longrun.data.packing import IGNORE_INDEX, MicroBatch
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from longrun.parallel_dims import is_power_of_two, padded_tokens_per_rank
+from longrun.parallel.dims import is_power_of_two, padded_tokens_per_rank
 from longrun.trainer.cp.cost import CostModel, padded_shares
 from longrun.trainer.cp.greedy import Packer, greedy
 from longrun.trainer.cp.plan import (

@@ -7,6 +7,9 @@
 The order matters and is the one torchtitan and Megatron use; each step assumes the ones
 before it:
 
+0. Pipeline parallelism (`pipeline.py`) keeps only this rank's stages of the model: every
+   later step applies to those pieces alone, and step 5 wraps each stage on its own (the
+   schedule calls stages, not the model).
 1. Tensor parallelism (DTensor `parallelize_module` on the mesh's "tp" dimension, inside a
    node; `tensor_parallel.py`) shards the weights of the attention and MLP projections: it
    must see the plain modules, so it comes first.
@@ -33,32 +36,40 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 from longrun.config.sections import TrainingSection
-from longrun.parallel_dims import ParallelDims
-from longrun.trainer.activation_checkpointing import apply_activation_checkpointing
-from longrun.trainer.data_parallel import DataParallel
-from longrun.trainer.parallel_model import ParallelModel
+from longrun.parallel.activation_checkpointing import apply_activation_checkpointing
+from longrun.parallel.data_parallel import DataParallel, summing_ddp
+from longrun.parallel.dims import ParallelDims
+from longrun.parallel.parallel_model import ParallelModel
+from longrun.parallel.pipeline import PipelinedModel, PipelinePlan, StageDDP
 
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSection, *,
                 span_group: dist.ProcessGroup | None, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool = True,
-                prime: Callable[[torch.nn.Module], torch.Tensor] | None = None) -> ParallelModel:
+                prime: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+                pipeline: PipelinePlan | None = None) -> ParallelModel:
     """`model` with every parallelism in `dims` applied, in place; gradients are summed over
     `span_group` (the dims.span ranks; None: one process, no communication). Where the weights
     are sharded (dims.sharded) `mesh` is the job's ("replicate", "shard", "tp") device mesh
-    (`ParallelGroups.device_mesh`). `prime` is a tiny loss DDP runs once so its bucket layout
-    is fixed before the first real step (see data_parallel.py)."""
-    if dims.pp > 1:
-        raise ValueError(f"the trainer has no pipeline parallelism yet (parallelism.pp = {dims.pp}); "
-                         "set it to 1")
+    (`ParallelGroups.device_mesh`; under pipeline parallelism, this stage's). `prime` is a tiny
+    loss DDP runs once so its bucket layout is fixed before the first real step (see
+    data_parallel.py). `pipeline`: this rank's place in the pipeline, where dims.pp > 1."""
     if dims.sharded and mesh is None:
         raise ValueError(f"parallelism.fsdp = {dims.fsdp} and tp = {dims.tp} shard the weights: "
                          "pass the device mesh (ParallelGroups.device_mesh)")
+    if (dims.pp > 1) != (pipeline is not None):
+        raise ValueError(f"parallelism.pp = {dims.pp}: pass its pipeline plan exactly when pp > 1")
+    # Step 0: pipeline parallelism.
+    pipe = None
+    if pipeline is not None:
+        pipe = PipelinedModel(model, pp=dims.pp, plan=pipeline, span_group=span_group)
+        model = pipe.module
     # Step 1: tensor parallelism.
     if dims.tp > 1:
-        from longrun.trainer.tensor_parallel import apply_tensor_parallel
+        from longrun.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"])
     # Step 2: context parallelism lives in the data path and the attention layout: nothing here.
@@ -66,15 +77,44 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSe
     apply_activation_checkpointing(model, training.activation_checkpointing)
     # Step 4 (compile): not configured.
     # Step 5: gradient synchronisation.
+    if pipe is not None:
+        _sync_stages(pipe, dims, training, span_group=span_group, mesh=mesh)
+        return pipe
     if not dims.sharded:
         return DataParallel(model, span_group, bucket_mb=training.grad_sync_bucket_mb, prime=prime)
-    from longrun.trainer.fsdp import apply_fsdp, mixed_precision
-    from longrun.trainer.sharded_model import ShardedModel
+    from longrun.parallel.fsdp import apply_fsdp, mixed_precision
+    from longrun.parallel.sharded_model import ShardedModel
 
     root = None
     if dims.span > 1:
-        dp_mesh = mesh["replicate", "shard"] if dims.replicas > 1 else mesh["shard"]
         device = next(model.parameters()).device
-        root = apply_fsdp(model, dp_mesh, reshard_after_forward=reshard_after_forward,
+        root = apply_fsdp(model, _span_mesh(dims, mesh), reshard_after_forward=reshard_after_forward,
                           mp_policy=mixed_precision(device, training.dtype))
     return ShardedModel(model, span_group, fsdp_root=root, tensor_parallel=dims.tp > 1)
+
+
+def _span_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: ("replicate", "shard") for HSDP, else ("shard",)."""
+    return mesh["replicate", "shard"] if dims.replicas > 1 else mesh["shard"]
+
+
+def _sync_stages(pipe: PipelinedModel, dims: ParallelDims, training: TrainingSection, *,
+                 span_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> None:
+    """Each stage module under its data parallelism (the schedule turns the sync off for every
+    micro-batch but the last): FSDP2 where the weights are sharded, without resharding after
+    forward (a stage runs many micro-batches before their backwards); DDP otherwise."""
+    if dims.tp > 1:
+        pipe.loss_context = loss_parallel
+    if dims.span == 1:
+        return
+    if not dims.sharded:
+        pipe.wrapped = [summing_ddp(stage, span_group, bucket_mb=training.grad_sync_bucket_mb, kind=StageDDP)
+                        for stage in pipe.stage_modules]
+        pipe.prime()
+        return
+    from longrun.parallel.fsdp import apply_fsdp, mixed_precision
+
+    device = next(pipe.module.parameters()).device
+    for stage in pipe.stage_modules:
+        apply_fsdp(stage, _span_mesh(dims, mesh), reshard_after_forward=False,
+                   mp_policy=mixed_precision(device, training.dtype))

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from longrun.trainer.corpus import Corpus
+from longrun.data.corpus import Corpus
 
 if TYPE_CHECKING:
-    from longrun.trainer.data import DocumentSampler
-    from longrun.trainer.mixture import MixtureSampler
+    from longrun.data.documents import DocumentSampler
+    from longrun.data.mixture import MixtureSampler
 
 IGNORE_INDEX = -100
 

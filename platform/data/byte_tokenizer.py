@@ -2,7 +2,7 @@
 
 Ids 0..255 are the UTF-8 bytes; 256, 257, 258 are BOS, EOS and PAD. A model's vocabulary may
 be larger than 259 (the default 260 is a multiple of 4); ids above PAD are never produced.
-One token per byte also means a file's token count is its size, which `longrun.trainer.data`
+One token per byte also means a file's token count is its size, which `longrun.data.documents`
 uses to index a corpus without reading it.
 """
 

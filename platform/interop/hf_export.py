@@ -22,17 +22,19 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 
 from longrun.checkpoint.catalog import load_model_weights, open_root, resolve_step, summarize_weights
-from longrun.checkpoint.export import ExportError, ExportResult, safetensors_metadata, unshare
-from longrun.checkpoint.hf import (
+from longrun.checkpoint.layout import step_dir_name
+from longrun.checkpoint.restore import read_manifest
+from longrun.config.sections import ModelSection
+from longrun.data.byte_tokenizer import ByteTokenizer
+from longrun.data.tokenizers import load_tokenizer
+from longrun.interop.hf import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     generation_config,
     hf_config,
     hf_names,
 )
-from longrun.checkpoint.layout import step_dir_name
-from longrun.checkpoint.restore import read_manifest
-from longrun.config.sections import ModelSection
+from longrun.interop.weights_file import ExportError, ExportResult, safetensors_metadata, unshare
 
 
 def _special_ids(tokenizer: str | None, model: ModelSection) -> tuple[Any, tuple]:
@@ -42,11 +44,7 @@ def _special_ids(tokenizer: str | None, model: ModelSection) -> tuple[Any, tuple
     if tokenizer is None:
         return None, (None, None, None)
     if tokenizer == "byte":
-        from longrun.trainer.tokenizer import ByteTokenizer
-
         return None, (ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD)
-    from longrun.data.tokenizers import load_tokenizer
-
     try:
         tok = load_tokenizer(tokenizer)
     except ValueError as exc:  # TokenizerError: not a tokenizer file, or none there

@@ -23,9 +23,9 @@ import numpy as np
 
 from longrun.config.sections import DataSection, ModelSection
 from longrun.config.vocabulary import BYTE_TOKENIZER_SHA256
+from longrun.data.corpus import Corpus, SpecialTokens
 from longrun.data.errors import DataError
 from longrun.data.shards import TokenShards
-from longrun.trainer.corpus import Corpus, SpecialTokens
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
-from longrun.trainer.parallel_model import ParallelModel
+from longrun.parallel.parallel_model import ParallelModel
 
 # The gradient norm of FSDP x TP parameters is a partial sum over the ("shard", "tp") mesh, and
 # DTensor warns (every step, every rank) that reducing it takes two all-reduces of one scalar.

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from longrun.config.sections import DataSection
+from longrun.data.corpus import Corpus
+from longrun.data.documents import DocumentSampler, refuse_per_rank_position
 from longrun.data.errors import DataError
-from longrun.trainer.corpus import Corpus
-from longrun.trainer.data import DocumentSampler, refuse_per_rank_position
 
 
 def _dataset_seed(seed: int, dataset: int) -> int:

@@ -218,7 +218,7 @@ def check_fits(hf_dir: str, model: ModelSection) -> dict[str, Any]:
     if mismatches:
         raise HFError(f"model.init_from {hf_dir} does not fit the job's model: "
                       f"{'; '.join(mismatches)}. Set the model section to match (longrun's "
-                      "`model_section_from_hf` in longrun.checkpoint.hf writes one)")
+                      "`model_section_from_hf` in longrun.interop.hf writes one)")
     return cfg
 
 

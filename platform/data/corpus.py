@@ -3,7 +3,7 @@
 Each source document is wrapped as BOS + tokens + EOS and cut into pieces of at most
 max_seq_len tokens (only the first piece has BOS, only the last EOS), from its length alone:
 tokens are read only when a chunk is drawn. Subclasses say where the tokens come from (files
-of text in `data.py`, prepared token shards in `token_corpus.py`).
+of text in `documents.py`, prepared token shards in `token_corpus.py`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from longrun.trainer.model import blocks
+
 
 def mixed_precision(device: torch.device, dtype: str) -> MixedPrecisionPolicy:
     if device.type == "cuda" and dtype == "bfloat16":
@@ -43,17 +45,18 @@ def mixed_precision(device: torch.device, dtype: str) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
                mp_policy: MixedPrecisionPolicy) -> FSDPModule:
-    """Shard `model` (a Transformer, TP-sharded or not) in place over `mesh`: 1-D ("shard") for
-    FSDP, 2-D ("replicate", "shard") for HSDP. Returns the root FSDP module."""
-    blocks = list(model.layers)
-    for block in blocks:
+    """Shard `model` (a Transformer or a pipeline stage of one, TP-sharded or not) in place over
+    `mesh`: 1-D ("shard") for FSDP, 2-D ("replicate", "shard") for HSDP. Returns the root FSDP
+    module."""
+    units = blocks(model)
+    for block in units:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     root = fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
-    for i, block in enumerate(blocks):
-        if i + 1 < len(blocks):
-            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+    for i, block in enumerate(units):
+        if i + 1 < len(units):
+            block.set_modules_to_forward_prefetch([units[i + 1]])
         if i > 0:
-            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+            block.set_modules_to_backward_prefetch([units[i - 1]])
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)

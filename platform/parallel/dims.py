@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 CPImpl = Literal["ring", "ulysses", "usp"]
 _SIZES = ("dp", "fsdp", "cp", "tp", "pp")
+# How ranks are numbered, outermost axis first (commgroup/topology.py says why this order):
+#     rank = (((dp_i * fsdp + fsdp_i) * pp + pp_i) * cp + cp_i) * tp + tp_i
+AXES = ("dp", "fsdp", "pp", "cp", "tp")
 
 
 def is_power_of_two(n: int) -> bool:
@@ -166,3 +169,27 @@ def parallel_dims(cfg: JobConfig) -> ParallelDims:
     par, heads = cfg.parallelism, cfg.model.n_heads
     return ParallelDims(dp=par.dp, fsdp=par.fsdp, cp=par.cp, tp=par.tp, pp=par.pp, dynamic_cp=par.dynamic_cp,
                         cp_impl=par.cp_impl, heads=heads // par.tp if heads % par.tp == 0 else heads)
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    fsdp: int = 0
+
+
+def coords_of(dims: ParallelDims, rank: int) -> RankCoords:
+    """Where `rank` sits on each axis (`AXES`' numbering; nodes play no part in it)."""
+    position = {}
+    for axis in reversed(AXES):
+        rank, position[axis] = divmod(rank, getattr(dims, axis))
+    return RankCoords(**position)
+
+
+def leads_its_stage(dims: ParallelDims, rank: int) -> bool:
+    """Whether `rank` is the first rank of its pipeline stage (every other coordinate 0): the
+    one that writes what all of the stage's ranks hold alike (the whole model without pp)."""
+    c = coords_of(dims, rank)
+    return c.dp == c.fsdp == c.cp == c.tp == 0

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from longrun.trainer.parallel_model import ParallelModel
+from longrun.parallel.parallel_model import ParallelModel
 
 
 # Unannotated on purpose: DDP checks a hook's annotations against the real classes, and this
@@ -38,6 +38,21 @@ from longrun.trainer.parallel_model import ParallelModel
 def _sum_allreduce_hook(group, bucket):
     work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def summing_ddp(module: torch.nn.Module, group: dist.ProcessGroup, *, bucket_mb: float,
+                kind: type[DistributedDataParallel] = DistributedDataParallel) -> DistributedDataParallel:
+    """`module` under DDP (or the subclass `kind`) over `group`, its gradients summed (see the
+    module docstring)."""
+    # device_ids stays None even on CUDA: DDP would otherwise copy every forward input to the
+    # device, including cu_seqlens, which the model keeps on the host on purpose.
+    ddp = kind(
+        module, process_group=group, bucket_cap_mb=bucket_mb,
+        forward_sync_buffers=False,  # the only buffers are rotary tables, equal everywhere
+        gradient_as_bucket_view=True,  # no second copy of the gradients
+    )
+    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    return ddp
 
 
 class DataParallel(ParallelModel):
@@ -51,14 +66,7 @@ class DataParallel(ParallelModel):
         super().__init__(model, group)
         self._ddp: DistributedDataParallel | None = None
         if self.size > 1:
-            # device_ids stays None even on CUDA: DDP would otherwise copy every forward input
-            # to the device, including cu_seqlens, which the model keeps on the host on purpose.
-            self._ddp = DistributedDataParallel(
-                model, process_group=group, bucket_cap_mb=bucket_mb,
-                forward_sync_buffers=False,  # the only buffers are rotary tables, equal everywhere
-                gradient_as_bucket_view=True,  # no second copy of the gradients
-            )
-            self._ddp.register_comm_hook(group, _sum_allreduce_hook)
+            self._ddp = summing_ddp(model, group, bucket_mb=bucket_mb)
             if prime is not None:
                 prime(self._ddp).backward()
                 for p in model.parameters():

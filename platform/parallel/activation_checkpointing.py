@@ -22,6 +22,8 @@ import torch
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from longrun.trainer.model import blocks
+
 MODES = ("none", "full", "selective")
 
 
@@ -52,7 +54,8 @@ def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
-    """Checkpoint every block of `model.layers` in place ("none" leaves the model as it is)."""
+    """Checkpoint every block of `model` (or of its pipeline stages' part) in place ("none"
+    leaves the model as it is)."""
     if mode not in MODES:
         raise ValueError(f"activation_checkpointing must be one of {MODES}, got {mode!r}")
     if mode == "none":
@@ -61,5 +64,5 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     options = {"preserve_rng_state": False}
     if mode == "selective":
         options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_expensive)
-    for block in model.layers:
+    for block in blocks(model):
         checkpoint(block, **options)

@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from longrun.config.sections import DataSection, LengthDistribution, ModelSection
+from longrun.data.byte_tokenizer import ByteTokenizer
+from longrun.data.corpus import Corpus, SpecialTokens
 from longrun.data.errors import DataError
 from longrun.data.sources import looks_like_text
-from longrun.trainer.corpus import Corpus, SpecialTokens
-from longrun.trainer.token_corpus import open_token_corpus
-from longrun.trainer.tokenizer import ByteTokenizer
+from longrun.data.token_corpus import open_token_corpus
 
 # Re-exported: DataError and Corpus were defined here first, and callers import them from here.
 __all__ = ["Corpus", "DataError", "DocumentSampler", "FileCorpus", "JsonlCorpus", "SyntheticCorpus",

@@ -22,6 +22,8 @@ the stream (`Transformer.sequence_multiple`) and the attention never sees the pa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -32,7 +34,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from longrun.trainer.model import Transformer
+from longrun.trainer.model import Transformer, blocks
+
+if TYPE_CHECKING:
+    from longrun.parallel.pipeline import PipelineParts
 
 _SEQ = Shard(0)  # the packed stream is [tokens, ...]: sequence parallel splits dim 0
 
@@ -55,7 +60,7 @@ def _block_plan() -> dict:
     }
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: Transformer | PipelineParts, tp_mesh: DeviceMesh) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (see the module docstring). Head counts,
     the hidden size and the vocabulary must divide by the TP degree (the config checks say so
     before anything is built)."""
@@ -65,13 +70,17 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
                     ("the feed-forward hidden size", cfg.hidden_dim), ("model.vocab_size", cfg.vocab_size)):
         if n % tp:
             raise ValueError(f"{what} ({n}) must be divisible by parallelism.tp ({tp})")
-    parallelize_module(model, tp_mesh, {
+    # A pipeline stage holds the embedding (first), the norm and output (last) or neither.
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ),
         "norm": SequenceParallel(sequence_dim=0),
         # Logits stay DTensors sharded by vocabulary: the trainer's loss runs under loss_parallel.
         "output": ColwiseParallel(input_layouts=_SEQ, output_layouts=Shard(-1), use_local_output=False),
-    })
-    for block in model.layers:
+    }
+    held = {name: style for name, style in plan.items() if hasattr(model, name)}
+    if held:
+        parallelize_module(model, tp_mesh, held)
+    for block in blocks(model):
         parallelize_module(block, tp_mesh, _block_plan())
     if cfg.tie_embeddings:
         # parallelize_module gave each module its own DTensor parameter: tie them again (the

@@ -15,14 +15,14 @@ import os
 import torch
 from safetensors import safe_open
 
-from longrun.checkpoint.hf import (
+from longrun.config.sections import ModelSection
+from longrun.interop.hf import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     HFError,
     check_fits,
     hf_names,
 )
-from longrun.config.sections import ModelSection
 
 # Buffers some older exports saved next to the weights; longrun derives them from the config.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
