@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/dynamic_cp.py            # ~6 min: simulation + 4 and 2 real ranks
     .venv/bin/python bench/dynamic_cp.py --quick    # ~2 min: smaller simulation, 4 ranks
+    .venv/bin/python bench/dynamic_cp.py --calibration h100-paper   # on paper: H100s, Llama 3 8B
 
 Both strategies train the *same* global batches; static CP sizes every CP group for the
 longest sequence (Megatron's baseline: static CP4 for 8192 tokens at 2048 per rank) and packs
@@ -15,6 +16,11 @@ chunked to 8192 tokens (a real code corpus). A global batch holds 4 x ranks x bu
 Measured: W gloo processes on CPU, a tiny model, the same distribution scaled down by 8 (so
 that static CP = W), a few global batches, both strategies alternating; the time of a step's
 forward+backward (gradient sync included) on the slowest rank, and the plans' predictions.
+
+`--calibration h100-paper`: no measurement; the simulation's cost model comes from published
+H100 figures (`longrun.trainer.cp.published`: FlashAttention-3's attention throughput, NVIDIA's
+GEMM peak, NVLink and 400 Gb/s InfiniBand) for the 64-GPU example's model (Llama 3 8B's
+shape), with the CP groups' transfers over NVLink and, separately, over InfiniBand.
 
 Progress goes to stderr; the last line on stdout is one JSON object:
 {"simulated": {"speedup_8", "speedup_64", "speedup_512", ...},
@@ -218,6 +224,23 @@ def simulate(cost, ranks: list[int], batches: int, corpus: np.ndarray | None) ->
     return out
 
 
+def on_paper(args) -> None:
+    """The simulation with the H100 cost model from published figures, NVLink and InfiniBand."""
+    import os
+
+    from longrun.config import load_config
+    from longrun.trainer.cp.published import h100_cost_model
+
+    example = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "llama-8b-64gpu.yaml"))
+    out = {"calibration": "h100-paper", "model": "llama-8b-64gpu.yaml's (Llama 3 8B shape)"}
+    for link in ("nvlink", "ib"):
+        cost = h100_cost_model(example.model, link=link)
+        log(f"{link}: {cost}")
+        sims = simulate(cost, [8, 64, 512], 1 if args.quick else 3, None)
+        out[link] = {k: v for k, v in sims.items() if not k.startswith("speedup_scaled")}
+    print(json.dumps(out))
+
+
 def planning_time(cost) -> float:
     """Seconds to plan 8,192 Megatron-distributed sequences for 256 ranks (one core)."""
     from longrun.trainer.cp.planner import megatron_lengths, plan_dynamic
@@ -239,7 +262,12 @@ def main() -> None:
     cli.add_argument("--steps", type=int, default=4, help="timed global batches per world")
     cli.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="real ranks to measure")
     cli.add_argument("--quick", action="store_true", help="4 ranks only, 2 steps, 1 batch simulated")
+    cli.add_argument("--calibration", choices=("measured", "h100-paper"), default="measured",
+                     help="the simulation's cost model: measured here, or from published H100 figures")
     args = cli.parse_args()
+    if args.calibration == "h100-paper":
+        on_paper(args)
+        return
     worlds = [4] if args.quick else args.worlds
     if args.quick:
         args.steps = 2

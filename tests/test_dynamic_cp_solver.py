@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from longrun.config import config_from_dict
 from longrun.config.sections import ModelSection
 from longrun.trainer.cp.planner import (
     CostModel,
@@ -316,3 +317,22 @@ def test_bad_context_parallel_setups_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="layout for CP 2 used with a CP group of 1"):
         ContextParallelAttention(ShardLayout(np.array([5, 9]), 2, True), CPGroups.alone(),
                                  torch.device("cpu"))
+
+
+def test_the_h100_paper_model_counts_the_real_models_matmuls_and_prices_the_links():
+    """The on-paper H100 cost model (bench/dynamic_cp.py --calibration h100-paper) counts the
+    same matmul parameters as the real decoder, and a slower link only adds exposed transfer."""
+    from longrun.trainer.cp.published import GEMM_FLOPS, h100_cost_model
+    from longrun.trainer.model import Transformer
+
+    cfg = config_from_dict({"job": {"name": "paper"}, "model": {
+        "dim": 128, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256, "tie_embeddings": False}})
+    nvlink, ib = h100_cost_model(cfg.model), h100_cost_model(cfg.model, link="ib")
+    matmuls = sum(p.numel() for name, p in Transformer(cfg.model).named_parameters()
+                  if p.dim() == 2 and not name.startswith("tok_embeddings"))  # not the lookup, nor norms
+    assert nvlink.linear_s_per_token == pytest.approx(6 * matmuls / GEMM_FLOPS)
+    assert nvlink.kv_bytes_per_token == 2 * 2 * 32 * 2  # K and V, 2 KV heads of 32, bf16
+    assert ib.p2p_s_per_byte > nvlink.p2p_s_per_byte and ib.attn_s_per_token2 == nvlink.attn_s_per_token2
+    lengths = np.array([4096, 4096])
+    assert ib.group_time(lengths, 4) > nvlink.group_time(lengths, 4)
+    assert ib.group_time(lengths, 1) == nvlink.group_time(lengths, 1)  # no ring: no link

@@ -35,7 +35,13 @@ LAYOUTS = {
 N_LAYERS = 8  # pipeline_config's model
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# By default every composition and one schedule of each kind (single-stage, interleaved, V);
+# the schedules the others cover are `slow`.
+FAST_GRADIENTS = ("pp2-1f1b", "pp2xdp2", "pp2xfsdp2", "pp2xtp2", "pp4-interleaved", "pp2-zbv")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST_GRADIENTS else pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_gradients_equal_one_process(name, tmp_path):
     parallelism, schedule, world, training = LAYOUTS[name]
     out = run_world(gradients_match_one_process, world, tmp_path, args=(parallelism, schedule, training))
