@@ -77,6 +77,7 @@ SCHEDULES = {
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
 }
 assert tuple(SCHEDULES) == SCHEDULE_NAMES
+CPU = torch.device("cpu")
 
 
 class StageDDP(DistributedDataParallel):
@@ -148,6 +149,7 @@ class PipelinePlan:
     virtual_stages: int = 1  # stages per rank of the multi-stage schedules
     layers_per_stage: tuple[int, ...] | None = None  # parallelism.pp_layers; None: even
     micro_batch_tokens: int = 4096  # the fixed micro-batch shape (data.micro_batch_tokens)
+    device: torch.device = CPU  # where this rank's stages run (the rest of the model stays behind)
 
 
 class PipelinedModel(ParallelModel):
@@ -172,9 +174,9 @@ class PipelinedModel(ParallelModel):
         ranges = stage_layers(model.cfg.n_layers, self.n_stages, plan.layers_per_stage)
         held = sorted(i for s in self.stage_ids for i in ranges[s])
         first, last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
-        parts = PipelineParts(model, held, first=first, last=last)
+        parts = PipelineParts(model, held, first=first, last=last).to(plan.device)
         super().__init__(parts, span_group)
-        self.device = next(model.parameters()).device
+        self.device = plan.device
         self.first, self.last = first, last
         self.micro_batch_tokens = plan.micro_batch_tokens
         self.streams = StepStreams()

@@ -100,7 +100,9 @@ class Trainer:
             # Whole weights on every rank, before parallelize() shards them (TP, FSDP). A worker
             # that is about to restore a checkpoint skips this (load_init_from=False).
             self.model.load_state_dict(load_hf_weights(cfg.model.init_from, cfg.model))
-        self.model = self.model.to(self.device)
+        # A pipeline rank moves only its own stages to the device (after parallelize cut them).
+        if pipeline_group is None:
+            self.model = self.model.to(self.device)
         self.flops = FlopsModel.of(self.model)  # the whole model's, whatever this rank keeps of it
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
         # Under context parallelism gradients are summed over all dp x cp ranks (each rank
@@ -119,7 +121,7 @@ class Trainer:
                                     schedule=cfg.training.pp_schedule,
                                     virtual_stages=cfg.parallelism.pp_virtual_stages,
                                     layers_per_stage=cfg.parallelism.pp_layers,
-                                    micro_batch_tokens=cfg.data.micro_batch_tokens)
+                                    micro_batch_tokens=cfg.data.micro_batch_tokens, device=self.device)
         self.parallel = parallelize(self.model, cfg.dims, cfg.training, span_group=span_group,
                                     mesh=mesh, prime=self._priming_loss, pipeline=pipeline,
                                     reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
