@@ -116,6 +116,17 @@ def test_run_and_validate_refuse_what_the_controller_cannot_run(repo_root, tmp_p
     assert checked.returncode == 2 and reason in checked.stderr, checked.stderr
 
 
+def test_config_plan_shows_each_pipeline_rank_and_the_bubble(repo_root, tmp_path):
+    example = repo_root / "examples" / "llama-70b-pp.yaml"
+    out = longrun("config", "plan", example, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "the fullest pipeline rank: 0" in text and "pipeline: interleaved_1f1b, 4 ranks x 2 stage(s)" in text
+    # One row per pipeline rank: 20 blocks each, the first keeping 5.5 micro-batches in flight.
+    assert "│ 0 │ 20 │" in text and "│ 5.5 │" in text and "│ 3 │ 20 │" in text
+    assert "bubble: 8.6% of each step idle per rank" in text and "fits" in text
+
+
 def test_config_plan_prints_the_memory_per_rank_and_names_the_knob(repo_root, tmp_path):
     example = repo_root / "examples" / "llama-8b-64gpu.yaml"
     out = longrun("config", "plan", example, cwd=tmp_path)
