@@ -84,3 +84,17 @@ def test_wheel_installs_and_imports_every_subpackage(repo_root, tmp_path):
 
     cli = subprocess.run([py, "-m", "longrun.cli", "--version"], cwd=tmp_path, capture_output=True, text=True)
     assert cli.returncode == 0 and "longrun 0." in cli.stdout, cli.stderr
+
+
+def test_the_modules_between_the_trainer_and_the_model_import_on_their_own(repo_root):
+    """`longrun.parallel` builds on the trainer's model while the trainer builds on it: each of
+    its modules (and the model) must import first in a fresh interpreter, not only after the
+    trainer (an import cycle hides behind whichever module a process happens to import first)."""
+    parallel = sorted((repo_root / "platform" / "parallel").glob("*.py"))
+    modules = ["longrun.trainer.model", "longrun.data.packing",
+               *(f"longrun.parallel.{p.stem}" for p in parallel if p.stem != "__init__")]
+    procs = {m: subprocess.Popen([sys.executable, "-c", f"import {m}"], cwd=repo_root,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for m in modules}
+    failed = {m: p.communicate()[1].strip().splitlines()[-1:] for m, p in procs.items()
+              if p.wait() != 0}
+    assert not failed, failed

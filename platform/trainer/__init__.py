@@ -15,12 +15,27 @@ Where the batches come from is `longrun.data`; how the model is spread over rank
 `longrun.parallel`.
 """
 
-from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
-from longrun.trainer.model import Transformer, packed_causal_attention
-from longrun.trainer.optim import build_optimizer
-from longrun.trainer.progress import ProgressPrinter, StepMetrics
-from longrun.trainer.schedule import build_scheduler, lr_multiplier, lr_schedule
-from longrun.trainer.trainer import Trainer
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562): `longrun.parallel` builds on `trainer.model`, and the trainer
+# on `longrun.parallel`; importing the model must not import the trainer (and so parallelize
+# and the pipeline) half-way through.
+_WHERE = {
+    "NonFiniteError": "errors", "NonFiniteGradientError": "errors", "NonFiniteLossError": "errors",
+    "Transformer": "model", "packed_causal_attention": "model",
+    "build_optimizer": "optim",
+    "ProgressPrinter": "progress", "StepMetrics": "progress",
+    "build_scheduler": "schedule", "lr_multiplier": "schedule", "lr_schedule": "schedule",
+    "Trainer": "trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "NonFiniteError",
