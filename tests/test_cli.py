@@ -121,7 +121,8 @@ def test_config_plan_shows_each_pipeline_rank_and_the_bubble(repo_root, tmp_path
     out = longrun("config", "plan", example, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
-    assert "the fullest pipeline rank: 0" in text and "pipeline: interleaved_1f1b, 4 ranks x 2 stage(s)" in text
+    assert "the fullest pipeline rank: 0" in text
+    assert "pipeline: interleaved_1f1b, 4 ranks x 2 stage(s)" in text
     # One row per pipeline rank: 20 blocks each, the first keeping 5.5 micro-batches in flight.
     assert "│ 0 │ 20 │" in text and "│ 5.5 │" in text and "│ 3 │ 20 │" in text
     assert "bubble: 8.6% of each step idle per rank" in text and "fits" in text
