@@ -20,7 +20,7 @@ from longrun.config import config_from_dict, load_config
 from longrun.config.runnable import check_runnable
 from longrun.controller.controller import Controller, job_status
 
-STEPS = 10
+STEPS = 7
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
