@@ -1,7 +1,7 @@
 """Pipeline parallelism: the bubble each schedule leaves, measured against the theory, tokens/s
 against FSDP, and the training state a rank holds against DDP's.
 
-    .venv/bin/python bench/pipeline.py            # 4 ranks, gloo on CPU, ~3 min
+    .venv/bin/python bench/pipeline.py            # 4 ranks, gloo on CPU, ~30 s
     .venv/bin/python bench/pipeline.py --quick    # fewer rounds
 
 Every layout trains the same model (8 blocks, untied) on the same global batch, on one
