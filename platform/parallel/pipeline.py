@@ -3,7 +3,7 @@
 
     plan = PipelinePlan(group=pp_group, rank=r, schedule="interleaved_1f1b", virtual_stages=2)
     pipe = parallelize(model, dims, training, span_group=g, pipeline=plan)   # a PipelinedModel
-    loss_sum = pipe.forward_backward(micro_batches, loss_tokens)  # a whole step's micro-batches
+    loss = pipe.forward_backward(micro_batches, loss_tokens)  # a whole step; this rank's loss share
 
 What longrun decides, and why:
 
@@ -25,8 +25,9 @@ What longrun decides, and why:
 - **Micro-batches at least the stages.** A step has as many micro-batches as the busiest rank
   of its data-parallel span packs (as without PP), padded with empty ones up to the number of
   stages a schedule needs; the schedule is built again only when that count changes.
-- **Data parallelism per stage.** DDP (a summing hook, as `data_parallel.py`) or FSDP2 wraps
-  each stage module; the stage runs every micro-batch but the last without gradient sync.
+- **Data parallelism per stage.** DDP (`StageDDP`: a summing hook, as `data_parallel.py`) or
+  FSDP2 wraps each stage module; the stage runs every micro-batch but the last without
+  gradient sync.
   FSDP keeps a stage's blocks gathered from forward to backward (no reshard after forward:
   with many micro-batches in flight, gathering each block again per micro-batch would
   multiply its all-gathers).
