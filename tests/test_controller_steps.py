@@ -147,6 +147,39 @@ def test_a_job_that_can_never_be_placed_fails_with_the_reason(rig, redis_client)
     assert "the cluster has 1" in job_status(redis_client, cfg.job.name)["fields"]["reason"]
 
 
+@pytest.mark.parametrize("joins", [True, False])
+def test_a_job_short_of_nodes_after_a_loss_waits_for_a_replacement_then_fails(joins, rig, redis_client):
+    """Too few nodes left after a fault (a node lost while another was evicted): a job that has
+    run waits recovery.node_wait_s for a replacement instead of failing at once (the soak of
+    2026-11-26 failed 2 s before one joined); past the wait it fails with the reason."""
+    make, launcher, clock, sleeps = rig
+    cfg = job(f"steps-short-{str(joins).lower()}", node_wait_s=60.0)
+    c = make(cfg)
+    drive_to_running(c)
+    launcher.failures[1] = PlacementImpossible("the job needs 2 node(s); the cluster has 1 such node(s)",
+                                               available=1, existing=1)
+    launcher.groups[0].script.append([RankEnded(3, kind="dead", detail="rank 3's process died")])
+    assert c.step() is JobState.RECOVERING
+    while c.machine.state is JobState.RECOVERING:
+        c.step()
+    assert c.machine.state is JobState.PLACING
+    for _ in range(3):  # short of a node: placing again, not failing, no restart spent
+        clock.t += 10.0
+        assert c.step() is JobState.PLACING
+    events = job_status(redis_client, cfg.job.name, events=100)["events"]
+    waits = [e for e in events if e["type"] == "waiting_for_nodes"]
+    assert len(waits) == 1 and "recovery.node_wait_s" in waits[0]["reason"], waits
+    if joins:
+        del launcher.failures[1]  # a replacement node joined
+        assert c.step() is JobState.DIAGNOSING and launcher.calls[-1]["attempt"] == 1
+        assert job_status(redis_client, cfg.job.name)["restarts"] == 1
+        return
+    clock.t += 45.0  # the shortage began 20 s ago (the first of the three tries): now 65 s, past the 60
+    with pytest.raises(JobFailed, match=r"within recovery\.node_wait_s \(60 s\)"):
+        c.run()
+    assert c.machine.state is JobState.FAILED
+
+
 def test_busy_resources_are_waited_for_not_a_restart_or_a_failure(rig, redis_client):
     make, launcher, *_ = rig
     launcher.failures[0] = PlacementTimeout("could not be reserved within 120 s")

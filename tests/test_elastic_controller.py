@@ -238,14 +238,29 @@ def test_min_nodes_equal_to_the_job_resumes_in_full_when_the_node_comes_back_in_
     assert not [e for e in events if e["type"] == "resized"]
 
 
-def test_a_job_that_is_not_elastic_fails_at_once_as_before(rig, redis_client, tmp_path):
+def test_a_job_that_is_not_elastic_fails_at_once_when_told_not_to_wait(rig, redis_client, tmp_path):
     make, launcher, _ = rig
-    c = make(job("el-rigid", tmp_path))
+    c = make(job("el-rigid", tmp_path, node_wait_s=0.0))
     to_running(c)
     lose_node(c, launcher, redis_client)
     with pytest.raises(JobFailed, match=r"the cluster has 2$"):
         c.run()
     assert len(launcher.placed) == 1
+
+
+def test_a_job_that_is_not_elastic_waits_node_wait_s_for_a_replacement_then_fails(rig, redis_client,
+                                                                                  tmp_path):
+    make, launcher, clock = rig
+    cfg = job("el-rigid-wait", tmp_path)
+    c = make(cfg)
+    to_running(c)
+    lose_node(c, launcher, redis_client)
+    start = clock.t
+    with pytest.raises(JobFailed, match=r"the cluster has 2; no node joined .* within "
+                                        r"recovery\.node_wait_s \(600 s\)$"):
+        c.run()
+    assert clock.t - start >= cfg.recovery.node_wait_s and len(launcher.placed) == 1
+    assert job_status(redis_client, cfg.job.name)["restarts"] == 1  # the wait spent no budget
 
 
 def test_capacity_back_grows_the_job_at_the_next_checkpoint(rig, redis_client, tmp_path):

@@ -404,7 +404,12 @@ class RecoverySection(Section):
         "place the job's cluster.nodes within shrink_after_s, continue on the nodes left, down to "
         "this many (parallelism.dp shrinks first, then parallelism.fsdp; the global batch stays the "
         "same), and grow back to cluster.nodes at a checkpoint once they can be placed again. "
-        "null: not elastic; a job whose nodes cannot all be placed fails.")
+        "null: not elastic; a job whose nodes cannot all be placed fails (after node_wait_s).")
+    node_wait_s: NonNegativeFloat = Field(
+        600.0, description="A job that is not elastic and has run before: how long to wait for "
+        "nodes to replace lost or evicted ones when too few are left to place it, before failing "
+        "(a replacement node often joins within minutes); 0: fail at once. A job's first placement "
+        "never waits: a cluster too small for it fails with the reason.")
     shrink_after_s: NonNegativeFloat = Field(
         60.0, description="With min_nodes set: how long to wait for the job's full node count to "
         "become placeable before continuing on fewer nodes (or failing, below min_nodes).")

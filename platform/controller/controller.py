@@ -113,6 +113,7 @@ class Controller:
         self.layout = cfg
         self._resize_reason: str | None = None  # why the next layout change happens
         self._waiting_for_nodes = False  # this placement has reported its wait (once per wait)
+        self._short_since: float | None = None  # when too few nodes were first left to place it
         # Operators' view: /metrics and /sd (the workers' scrape targets follow restarts).
         self.metrics = ControllerMetrics(cfg.job.name)
         self._address: str | None = None
@@ -343,8 +344,9 @@ class Controller:
         holds (PlacementTimeout) are waited for (None: placing again at the next step), and a
         wait never spends the restart budget. An elastic job short of nodes, missing or busy,
         asks the scaling policy: wait, continue on the nodes that can be placed now (the
-        smaller config), or give up (PlacementImpossible, only when too few nodes exist at all,
-        as a job that is not elastic does at once)."""
+        smaller config), or give up (PlacementImpossible, only when too few nodes exist at all;
+        a job that is not elastic waits recovery.node_wait_s for replacements first, once it has
+        run)."""
         started = self.clock()
         try:
             self.attempt.group = self._launch(self.cfg)
@@ -356,11 +358,34 @@ class Controller:
             return self._place_smaller(exc, started)
         except PlacementImpossible as exc:
             if self.sizing is None:
-                raise
+                return self._wait_for_replacements(exc)
             return self._place_smaller(exc, started)
+        self._short_since = None
         if self.sizing is not None:
             self.sizing.placed_in_full()
         return self.cfg
+
+    def _wait_for_replacements(self, short: PlacementImpossible) -> None:
+        """Too few nodes are left to place a job that is not elastic. Once it has run, a node
+        lost or evicted leaves a gap that a replacement usually fills within minutes (an
+        autoscaler, KubeRay, an operator): wait recovery.node_wait_s for one, as for busy nodes,
+        then fail with the reason. A first placement fails at once: that cluster is too small."""
+        wait = self.cfg.recovery.node_wait_s
+        if self.attempt.number == 0 or wait <= 0:
+            raise short
+        now = self.clock()
+        if self._short_since is None:
+            self._short_since = now
+        waited = now - self._short_since
+        if waited >= wait:
+            raise PlacementImpossible(f"{short}; no node joined to take the place of the lost or evicted "
+                                      f"ones within recovery.node_wait_s ({wait:g} s)",
+                                      short.available, short.existing) from short
+        self._report_wait(f"{short}; waiting up to {wait - waited:.0f} s for nodes to replace the lost or "
+                          "evicted ones (recovery.node_wait_s; a wait spends no restart budget)",
+                          available=short.available)
+        self.sleep(BACKOFF_SLICE_S)  # pacing the retries; a stop request is heard next step
+        return None
 
     def _place_smaller(self, short: PlacementImpossible | PlacementTimeout,
                        started: float) -> JobConfig | None:
