@@ -163,9 +163,11 @@ def test_a_job_short_of_nodes_after_a_loss_waits_for_a_replacement_then_fails(jo
     while c.machine.state is JobState.RECOVERING:
         c.step()
     assert c.machine.state is JobState.PLACING
+    slept = len(sleeps)
     for _ in range(3):  # short of a node: placing again, not failing, no restart spent
         clock.t += 10.0
         assert c.step() is JobState.PLACING
+    assert sleeps[slept:] == [1.0] * 3  # each try paced, not a busy loop
     events = job_status(redis_client, cfg.job.name, events=100)["events"]
     waits = [e for e in events if e["type"] == "waiting_for_nodes"]
     assert len(waits) == 1 and "recovery.node_wait_s" in waits[0]["reason"], waits
