@@ -40,6 +40,7 @@ class Incident:
     step: int | None = None  # last step seen; for nan/loss_spike the bad step
     at: float = 0.0  # controller clock, seconds
     detail: str = ""  # exception text, diagnostics reason, ...
+    blame: str | None = None  # a straggler's attributed cause: "node", "data", "stage" or "rank"
 
     def __post_init__(self) -> None:
         if self.kind not in PRECEDENCE:

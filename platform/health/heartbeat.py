@@ -34,6 +34,10 @@ class Heartbeat:
     resumed_from: int = 0  # the checkpoint step this attempt restored (0: none)
     metrics_addr: str | None = None  # host:port of the worker's /metrics, for service discovery
     pp_stage: int | None = None  # the rank's pipeline position (None: no pipeline stages)
+    # What the rank's share of the last step's data should cost, in the units of the trainer's
+    # cost model (tokens, or modelled seconds under dynamic CP): a slow rank whose work cost is
+    # as far above the median as its step time is slow because of its data, not its node.
+    work_cost: float | None = None
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
     sent_at: float = 0.0  # wall clock of the publisher

@@ -39,6 +39,7 @@ class Fault:
     step: int | None  # the step it concerns: the rank's last step seen, or the NaN/spike step
     detected_at: float  # the monitor's caller clock
     detail: str  # one sentence for operators
+    blame: str | None = None  # a straggler's attributed cause (health/stragglers.py)
 
 
 class HealthMonitor:
