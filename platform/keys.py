@@ -6,7 +6,8 @@ deletes it all when the attempt ends (`delete_attempt_keys`): a week-long job re
 of times, and nothing there is read again. Under an attempt's prefix:
 
     store:   the torch.distributed rendezvous store (keys and their signal streams)
-    hb:      heartbeats (they also expire on their own)
+    hb:      heartbeats (they also expire on their own): one key per rank, or at scale one
+             binary record per node from the node's agent (hb:node:N) and its roster
     diag:    the per-node stores of the collective self-check
     ckpt:    the checkpoint commit ledger (one hash per step)
     preempt: a stop request ("now"), then the step at which every rank saves and stops
@@ -111,6 +112,16 @@ def job_controller_key(job: str) -> str:
 
 def heartbeat_key(job: str, attempt: int, rank: int) -> str:
     return f"{attempt_prefix(job, attempt)}hb:{rank}"
+
+
+def node_beats_key(job: str, attempt: int, node: int) -> str:
+    """Node `node`'s record of its ranks' beats, from its agent (health/node_agent.py)."""
+    return f"{attempt_prefix(job, attempt)}hb:node:{node}"
+
+
+def node_roster_key(job: str, attempt: int, node: int) -> str:
+    """What rarely changes about node `node`'s ranks (pid, host, metrics address), as JSON."""
+    return f"{attempt_prefix(job, attempt)}hb:roster:{node}"
 
 
 def preempt_key(job: str, attempt: int) -> str:

@@ -30,6 +30,16 @@ from longrun.parallel.dims import ParallelDims, parallel_dims
 __all__ = ["JobConfig", "cross_section_problems"]
 
 
+# From this many ranks on, health.node_agents 'auto' uses the agents: below it the per-rank keys
+# cost the controller little (a 64-rank poll reads 64 keys) and need no actor per node.
+NODE_AGENTS_FROM_RANKS = 64
+
+
+def uses_node_agents(choice: str, world_size: int) -> bool:
+    """health.node_agents for a world of `world_size` ranks (an elastic job's attempt may be smaller)."""
+    return choice == "on" or (choice == "auto" and world_size >= NODE_AGENTS_FROM_RANKS)
+
+
 class JobConfig(Section):
     job: JobSection
     cluster: ClusterSection = Field(default_factory=ClusterSection)
@@ -70,6 +80,11 @@ class JobConfig(Section):
     @property
     def world_size(self) -> int:
         return self.dims.world_size
+
+    @property
+    def node_agents(self) -> bool:
+        """Whether heartbeats go through one agent per node (health.node_agents)."""
+        return uses_node_agents(self.health.node_agents, self.world_size)
 
     @property
     def run_dir(self) -> str:

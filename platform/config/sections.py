@@ -366,6 +366,10 @@ class HealthSection(Section):
     store_outage_grace_s: NonNegativeFloat = Field(
         10.0, description="After Redis comes back, how long workers get to re-publish heartbeats "
         "before a missing one counts as dead.")
+    node_agents: Literal["auto", "on", "off"] = Field(
+        "auto", description="Heartbeats through one agent per node, which publishes one record for "
+        "its ranks and sees a rank's process exit (health/node_agent.py): 'auto' from "
+        "64 ranks on, 'on' or 'off' for any size.")
     store_patience_s: PositiveFloat = Field(
         60.0, description="How long job-state writes and checkpoint commit reports retry while Redis "
         "is unreachable (a restart, a failover) before the error is raised.")

@@ -1,10 +1,11 @@
 """Watching a RUNNING attempt, one heartbeat interval at a time.
 
 Each poll asks the worker group which ranks ended (and how), reads every rank's heartbeat
-with one MGET, and lets the attempt's monitor judge them (dead, hung, slow, NaN, spikes). What
-it learns goes to the attempt (summaries, last signs of life, metrics endpoints) and to the
-listeners (heartbeats, the first trained step, a Redis outage ridden out); what needs a
-decision comes back as incidents.
+with one MGET (of a key per rank, or at scale of a record per node: health/node_beats.py;
+a node whose agent went silent is declared lost as a whole), and lets the attempt's monitor
+judge them (dead, hung, slow, NaN, spikes). What it learns goes to the attempt (summaries,
+last signs of life, metrics endpoints) and to the listeners (heartbeats, the first trained
+step, a Redis outage ridden out); what needs a decision comes back as incidents.
 
 Heartbeat reads go through a client that fails fast: a Redis that is away pauses the judging
 (the monitor's clock stands still) instead of stalling the watch or blaming the ranks.
@@ -22,12 +23,15 @@ from collections.abc import Callable
 import redis
 
 from longrun.config import JobConfig
+from longrun.config.job import uses_node_agents
 from longrun.controller.attempt import Attempt
 from longrun.controller.listeners import Listener
 from longrun.controller.outcomes import RankEnded
 from longrun.goodput.tracker import GoodputTracker
-from longrun.health.heartbeat import Heartbeat, read_heartbeats
+from longrun.health.heartbeat import Heartbeat
+from longrun.health.node_beats import Beats, NodeBeatReader, RankBeatReader
 from longrun.health.policy import Incident
+from longrun.kinds import FaultKind
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ class Watcher:
         self.cfg, self.client, self.listeners, self.ledger = cfg, client, listeners, ledger
         self.poll_s, self.clock, self.wall = poll_s, clock, wall
         self._store_lost_at: float | None = None  # wall time the heartbeat reads started failing
+        self._readers: dict[int, RankBeatReader | NodeBeatReader] = {}  # the watched attempt's
 
     def poll(self, attempt: Attempt) -> list[Incident] | None:
         """One heartbeat interval of watching. [] when every rank finished, the incidents when
@@ -52,11 +57,12 @@ class Watcher:
                 monitor.finished(e.rank)
         beats = self._read(attempt, now, wall)
         if beats is not None:
+            incidents += self._lost_nodes(attempt, beats, wall)
             incidents += [Incident(kind=str(f.kind), rank=f.rank,
                                    node=group.node_of(f.rank) if f.rank is not None else None,
-                                   step=f.step, at=wall, detail=f.detail)
-                          for f in monitor.observe(beats, now)]
-            self._progress(attempt, [b for b in beats.values() if b is not None], wall)
+                                   step=f.step, at=wall, detail=f.detail, blame=f.blame)
+                          for f in monitor.observe(beats.columns, now)]
+            self._progress(attempt, beats.live(), wall)
         decided = attempt.settle(incidents, now, self.cfg.health.heartbeat_timeout_s)
         if decided is None or decided:
             return decided
@@ -66,11 +72,10 @@ class Watcher:
         return Incident(kind=ended.kind, rank=ended.rank, node=attempt.group.node_of(ended.rank),
                         step=ended.step, at=wall, detail=ended.detail)
 
-    def _read(self, attempt: Attempt, now: float, wall: float) -> dict[int, Heartbeat | None] | None:
+    def _read(self, attempt: Attempt, now: float, wall: float) -> Beats | None:
         """Every rank's heartbeat, or None while Redis is unreachable (judging paused)."""
         try:
-            beats = read_heartbeats(self.client, self.cfg.job.name, attempt.number,
-                                    range(attempt.world_size))
+            beats = self._reader(attempt).read()
         except (redis.RedisError, OSError) as exc:
             attempt.monitor.store_unreachable(now)
             if self._store_lost_at is None:
@@ -84,6 +89,29 @@ class Watcher:
                 f"missing heartbeats get {self.cfg.health.store_outage_grace_s:g} s to return"),
                 {"seconds": round(away, 3)})
         return beats
+
+    def _reader(self, attempt: Attempt) -> RankBeatReader | NodeBeatReader:
+        """Per-rank keys, or per-node records at scale (health.node_agents), for this attempt."""
+        if self._readers.get(attempt.number) is None:
+            job = self.cfg.job.name
+            self._readers = {attempt.number: NodeBeatReader(
+                self.client, job, attempt.number, attempt.world_size, self.cfg.cluster.workers_per_node)
+                if uses_node_agents(self.cfg.health.node_agents, attempt.world_size)
+                else RankBeatReader(self.client, job, attempt.number, attempt.world_size)}
+        return self._readers[attempt.number]
+
+    def _lost_nodes(self, attempt: Attempt, beats: Beats, wall: float) -> list[Incident]:
+        """A node whose agent stopped publishing: one incident for the node, its ranks marked dead."""
+        reader, incidents = self._readers[attempt.number], []
+        for index in beats.lost_nodes:
+            ranks = reader.ranks_of(index)
+            attempt.monitor.node_lost(ranks)
+            node = attempt.group.node_of(ranks[0])
+            incidents.append(Incident(
+                kind=FaultKind.NODE_LOST, rank=None, node=node, at=wall, detail=(
+                    f"the heartbeat agent of node {node} (ranks {ranks[0]}-{ranks[-1]}) stopped publishing "
+                    f"for {self.cfg.health.heartbeat_timeout_s:g} s: its node is taken for lost")))
+        return incidents
 
     def _progress(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
         if not live:

@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError, RayError
 
 from longrun.checkpoint.shared import unseen_probes
 from longrun.config import JobConfig
+from longrun.controller.agents import Agents
 from longrun.controller.elastic import layout_key
 from longrun.controller.keepers import Keepers, keeper_targets, newest_committed_step
 from longrun.controller.outcomes import (
@@ -186,6 +187,7 @@ class RayLauncher:
         self.spares_enabled = spares
         self.placement: Placement | None = None
         self.keepers: Keepers | None = None  # peer memory snapshots' keepers, across attempts
+        self.agents: Agents | None = None  # heartbeat agents (health.node_agents), across attempts
         self._spares: list[Any] = []
         self._warming: list[Any] = []  # warm() refs of the spares
         self._cfg: JobConfig | None = None
@@ -220,6 +222,7 @@ class RayLauncher:
             self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
                                    name=f"longrun-{cfg.job.name}-a{attempt}", held=held, cancelled=cancelled)
         self._cfg = cfg
+        self._ensure_agents(cfg, redis_url, timeout_s)
         actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
                                          for rank in range(cfg.world_size)]
         config = cfg.model_dump(mode="json")
@@ -240,6 +243,18 @@ class RayLauncher:
             self._abandon(actors)
             raise
         return RayWorkerGroup(self.placement, actors)
+
+    def _ensure_agents(self, cfg: JobConfig, redis_url: str, timeout_s: float) -> None:
+        """Every node of the placement has a heartbeat agent listening before a rank beats."""
+        if not cfg.node_agents:
+            return
+        if self.agents is None:
+            self.agents = Agents(cfg, redis_url)
+        try:
+            self.agents.ensure(self.placement.node_ids, timeout_s=timeout_s)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            self._release_placement()
+            raise LaunchFailed(f"a heartbeat agent did not start: {last_line(exc)[:300]}") from exc
 
     def _abandon(self, actors: list[Any]) -> None:
         for actor in actors:
@@ -353,6 +368,9 @@ class RayLauncher:
         if self.keepers is not None:
             self.keepers.close()
             self.keepers = None
+        if self.agents is not None:
+            self.agents.close()
+            self.agents = None
 
     def _release_placement(self) -> None:
         for spare in self._spares:

@@ -1,5 +1,8 @@
 """Worker heartbeats: a small thread that publishes the worker's latest progress to Redis.
 
+At scale (health.node_agents) the beat goes to the node's agent instead (`link`: a datagram
+to health/node_agent.py), which publishes one record for all of the node's ranks.
+
 The training loop only updates an in-memory snapshot (no I/O on the step's critical path);
 the thread publishes it every `interval_s` with an expiry of `timeout_s`, so a worker that
 dies or freezes stops refreshing its key and the key vanishes on its own: a missing key is
@@ -14,6 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import redis
 
@@ -43,10 +47,30 @@ class Heartbeat:
     sent_at: float = 0.0  # wall clock of the publisher
 
 
+def agent_address(job: str, node_id: str) -> str:
+    """The abstract socket name of `job`'s agent on the Ray node `node_id`."""
+    return f"\0longrun-beats/{job}/{node_id}"
+
+
+class AgentLink:
+    """A worker's end: sends each heartbeat to its node's agent. A datagram that cannot be sent
+    (the agent not up yet, or gone) is dropped: the next interval sends a newer one."""
+
+    def __init__(self, address: str, node: int):
+        self.address, self.node = address, node
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def send(self, beat: dict[str, Any]) -> None:
+        self._sock.sendto(json.dumps({"node": self.node, "beat": beat}).encode(), self.address)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class HeartbeatPublisher:
     def __init__(self, client: redis.Redis, job: str, attempt: int, rank: int,
-                 interval_s: float, timeout_s: float):
-        self.client = client
+                 interval_s: float, timeout_s: float, link: AgentLink | None = None):
+        self.client, self.link = client, link
         self.key = keys.heartbeat_key(job, attempt, rank)
         self.interval_s = interval_s
         self.timeout_ms = int(timeout_s * 1000)
@@ -69,8 +93,14 @@ class HeartbeatPublisher:
     def publish_now(self) -> None:
         with self._lock:
             self._beat.sent_at = time.time()
-            payload = json.dumps(asdict(self._beat))
-        self.client.set(self.key, payload, px=self.timeout_ms)
+            beat = asdict(self._beat)
+        if self.link is None:
+            self.client.set(self.key, json.dumps(beat), px=self.timeout_ms)
+            return
+        try:
+            self.link.send(beat)
+        except OSError:
+            self.errors += 1  # the agent is not up yet or is gone: the next interval sends a newer beat
 
     def stop(self, final_phase: str | None = None) -> None:
         self._stop.set()

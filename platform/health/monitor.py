@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from longrun.config.sections import HealthSection
+from longrun.health.beat_columns import NONE, BeatColumns, phase_name
 from longrun.health.heartbeat import Heartbeat
-from longrun.health.rank_track import RankTrack
+from longrun.health.rank_track import RankTracks
 from longrun.kinds import FaultKind
 
 __all__ = ["Fault", "FaultKind", "HealthMonitor"]
@@ -53,7 +56,7 @@ class HealthMonitor:
         self.health = health
         self.started_at = started_at
         self.startup_grace_s = startup_grace_s
-        self._ranks = [RankTrack() for _ in range(world_size)]
+        self._tracks = RankTracks(world_size)
         self._blind_s = 0.0  # total seconds the store was unreachable: the judging clock stood still
         self._outage_since: float | None = None
         self._last_poll_at: float | None = None
@@ -73,52 +76,32 @@ class HealthMonitor:
 
     # ---- what the controller calls -------------------------------------------------------
 
-    def observe(self, beats: Mapping[int, Heartbeat | None], now: float) -> list[Fault]:
-        """Judge one snapshot of heartbeats (rank -> heartbeat, None or absent when missing)."""
+    def observe(self, beats: Mapping[int, Heartbeat | None] | BeatColumns, now: float) -> list[Fault]:
+        """Judge one snapshot of heartbeats: columns (beat_columns.py), or rank -> heartbeat
+        with None or absent where missing."""
+        cols = beats if isinstance(beats, BeatColumns) else BeatColumns.from_beats(beats, self.world_size)
         self._end_outage(now)
         self._last_poll_at = now
         clock = now - self._blind_s
-        dead: list[Fault] = []
-        hangs: list[Fault] = []
-        straggler_candidates: list[tuple[int, RankTrack, Heartbeat]] = []
-        step_times: list[float] = []
-        nan_steps: dict[int, tuple[int, int]] = {}  # step -> (lowest rank reporting it, how many)
-        loss_beat: Heartbeat | None = None
-        # One pass over the ranks, constant work each (the window max is cached): the controller
-        # polls about once a second with thousands of ranks.
-        for rank in range(self.world_size):
-            track = self._ranks[rank]
-            if track.finished:
-                continue
-            beat = beats.get(rank)
-            if beat is None:
-                if not track.dead and (fault := self._judge_missing(rank, track, now, clock)):
-                    dead.append(fault)
-                continue
-            if track.dead:
-                # A stale key can outlive its process by up to the heartbeat timeout; only a
-                # heartbeat published after the death (a restarted process) brings the rank back.
-                if track.dead_sent_at is not None and beat.sent_at <= track.dead_sent_at:
-                    continue
-                track = self._ranks[rank] = RankTrack()
-            track.follow(beat, now, clock, self.health)
-            if fault := self._judge_hang(rank, track, now, clock):
-                hangs.append(fault)
-            if beat.step_time_s is not None:
-                step_times.append(beat.step_time_s)
-                if track.streak_step != beat.step:
-                    straggler_candidates.append((rank, track, beat))
-            if not beat.loss_finite:
-                first, count = nan_steps.get(beat.step, (rank, 0))
-                nan_steps[beat.step] = (first, count + 1)
-            elif loss_beat is None and beat.loss is not None and math.isfinite(beat.loss):
-                loss_beat = beat  # the global loss is the same on every rank: the lowest live one will do
-        return (dead + hangs + self._judge_stragglers(straggler_candidates, step_times, now)
-                + self._judge_nan(nan_steps, now) + self._judge_loss(loss_beat, now))
+        t = self._tracks
+        active = ~t.finished
+        missing = active & ~cols.present & ~t.dead
+        dead = self._judge_missing(np.flatnonzero(missing), now, clock) if missing.any() else []
+        present = active & cols.present
+        # A stale key can outlive its process by up to the heartbeat timeout; only a heartbeat
+        # published after the death (a restarted process) brings a dead rank back.
+        revived = present & t.dead & ~(cols.sent_at <= t.dead_sent_at)
+        if revived.any():
+            t.reset(np.flatnonzero(revived))
+        live = np.flatnonzero(present & ~t.dead)
+        t.follow(cols, live, now, clock, self.health)
+        hangs = self._judge_hang(live, now, clock)
+        return (dead + hangs + self._judge_stragglers(cols, live, now)
+                + self._judge_nan(cols, live, now) + self._judge_loss(cols, live, now))
 
     def finished(self, rank: int) -> None:
         """`rank` completed its work: its heartbeat stops and expires, which is not a death."""
-        self._ranks[rank].finished = True
+        self._tracks.finished[rank] = True
 
     def store_unreachable(self, now: float) -> None:
         """The controller could not read Redis this poll: judge nothing until it can again."""
@@ -128,18 +111,31 @@ class HealthMonitor:
 
     def actor_died(self, rank: int, now: float, reason: str) -> Fault:
         """Ray reported the rank's actor or process gone; its heartbeat key may linger until it expires."""
-        track = self._ranks[rank]
-        track.dead = True
-        track.dead_sent_at = track.last_sent_at  # so the lingering key is not taken for a revival
-        where = f"last seen at step {track.step}" if track.seen else "before its first heartbeat"
-        detail = f"rank {rank} process is gone ({reason}), {where}"
-        return Fault(FaultKind.DEAD, rank, track.step, now, detail)
+        self._mark_dead(rank)
+        step = self._step_of(rank)
+        where = f"last seen at step {step}" if self._tracks.seen[rank] else "before its first heartbeat"
+        return Fault(FaultKind.DEAD, rank, step, now, f"rank {rank} process is gone ({reason}), {where}")
+
+    def node_lost(self, ranks: Sequence[int]) -> None:
+        """The ranks of a node whose agent stopped reporting: the node's fault is the caller's to
+        declare (one incident for the node, not one per rank), so they are only marked dead."""
+        for rank in ranks:
+            if not self._tracks.finished[rank]:
+                self._mark_dead(rank)
 
     def hang_timeout_s(self, rank: int) -> float:
         """The current hang timeout of a rank, for status and metrics."""
-        return self._ranks[rank].hang_timeout_s(self.health)
+        return float(self._tracks.hang_timeouts(np.array([rank]), self.health)[0])
 
     # ---- rules ----------------------------------------------------------------------------
+
+    def _mark_dead(self, rank: int) -> None:
+        t = self._tracks
+        t.dead[rank] = True
+        t.dead_sent_at[rank] = t.last_sent_at[rank]  # so the lingering key is not taken for a revival
+
+    def _step_of(self, rank: int) -> int | None:
+        return int(self._tracks.step[rank]) if self._tracks.seen[rank] else None
 
     def _end_outage(self, now: float) -> None:
         if self._outage_since is None:
@@ -152,104 +148,124 @@ class HealthMonitor:
         # missing keys are no evidence of death for a while.
         self._missing_tolerated_until = now + self.health.store_outage_grace_s
 
-    def _judge_missing(self, rank: int, track: RankTrack, now: float, clock: float) -> Fault | None:
-        """DEAD: the heartbeat key expired, so the worker has not refreshed it within the timeout."""
+    def _judge_missing(self, ranks: np.ndarray, now: float, clock: float) -> list[Fault]:
+        """DEAD: the heartbeat key expired (or the node's agent no longer hears the rank)."""
         if now < self._missing_tolerated_until:
-            return None
-        if track.seen:
-            age = now - track.last_seen_at
-            detail = (f"rank {rank} stopped sending heartbeats: last seen {age:.1f} s ago at step "
-                      f"{track.step}, keys expire after {self.health.heartbeat_timeout_s:.1f} s")
-        elif clock - self.started_at > self.startup_grace_s:
-            # Never seen: process start, imports and restore get the startup grace first.
-            detail = f"rank {rank} sent no heartbeat within the {self.startup_grace_s:.1f} s startup grace"
-        else:
-            return None
-        # Reported once: the rank stays dead until a newer heartbeat shows a restarted process.
-        track.dead = True
-        track.dead_sent_at = track.last_sent_at
-        return Fault(FaultKind.DEAD, rank, track.step, now, detail)
-
-    def _judge_hang(self, rank: int, track: RankTrack, now: float, clock: float) -> Fault | None:
-        """HANG: the heartbeat is fresh but the step has not advanced for longer than the timeout."""
-        if track.hang_reported_step == track.step:
-            return None  # once per (rank, step)
-        timeout = track.hang_timeout_s(self.health)
-        stalled = clock - track.progress_at
-        if stalled <= timeout:
-            return None
-        track.hang_reported_step = track.step
-        basis = "hard ceiling" if timeout == self.health.hang_timeout_s else "learned from its step times"
-        return Fault(FaultKind.HANG, rank, track.step, now,
-                     f"rank {rank}{_stage(track)} made no progress past step {track.step} in phase "
-                     f"'{track.phase}' "
-                     f"for {stalled:.1f} s (timeout {timeout:.1f} s, {basis})")
-
-    def _judge_stragglers(self, candidates: list[tuple[int, RankTrack, Heartbeat]],
-                          step_times: list[float], now: float) -> list[Fault]:
-        """STRAGGLER: slower than factor x the median of live ranks for `patience` distinct steps in a row."""
-        if len(step_times) < MIN_RANKS_FOR_STRAGGLERS:
             return []
-        median = statistics.median(step_times)  # a C sort of one float per rank: cheap at 4,096
-        limit = self.health.straggler_factor * median
+        t = self._tracks
+        # Never seen: process start, imports and restore get the startup grace first.
+        if clock - self.started_at <= self.startup_grace_s:
+            ranks = ranks[t.seen[ranks]]
         faults = []
-        for rank, track, beat in candidates:  # only ranks showing a step not judged before
-            track.streak_step = beat.step
-            if beat.step_time_s <= limit:
-                track.slow_streak = 0
-                track.straggling = False  # recovered: a later slow streak is reported again
-                continue
-            track.slow_streak += 1
-            if track.slow_streak >= self.health.straggler_patience and not track.straggling:
-                track.straggling = True
-                faults.append(Fault(
-                    FaultKind.STRAGGLER, rank, beat.step, now,
-                    f"rank {rank} took {beat.step_time_s:.2f} s per step, {beat.step_time_s / median:.1f}x "
-                    f"the median {median:.2f} s, for {track.slow_streak} steps in a row "
-                    f"(limit {self.health.straggler_factor}x)"))
+        for rank in ranks.tolist():
+            if t.seen[rank]:
+                age = now - t.last_seen_at[rank]
+                detail = (f"rank {rank} stopped sending heartbeats: last seen {age:.1f} s ago at step "
+                          f"{t.step[rank]}, keys expire after {self.health.heartbeat_timeout_s:.1f} s")
+            else:
+                detail = (f"rank {rank} sent no heartbeat within the {self.startup_grace_s:.1f} s "
+                          "startup grace")
+            # Reported once: the rank stays dead until a newer heartbeat shows a restarted process.
+            self._mark_dead(rank)
+            faults.append(Fault(FaultKind.DEAD, rank, self._step_of(rank), now, detail))
         return faults
 
-    def _judge_nan(self, nan_steps: dict[int, tuple[int, int]], now: float) -> list[Fault]:
-        """NAN: any rank reporting a non-finite loss makes a job-wide fault, once per step."""
+    def _judge_hang(self, live: np.ndarray, now: float, clock: float) -> list[Fault]:
+        """HANG: the heartbeat is fresh but the step has not advanced for longer than the timeout."""
+        t = self._tracks
+        timeout = t.hang_timeouts(live, self.health)
+        stalled = clock - t.progress_at[live]
+        hung = (stalled > timeout) & (t.hang_reported_step[live] != t.step[live])  # once per (rank, step)
         faults = []
-        for step in sorted(nan_steps):
+        for i in np.flatnonzero(hung).tolist():
+            rank = int(live[i])
+            t.hang_reported_step[rank] = t.step[rank]
+            ceiling = timeout[i] == self.health.hang_timeout_s
+            basis = "hard ceiling" if ceiling else "learned from its step times"
+            faults.append(Fault(FaultKind.HANG, rank, int(t.step[rank]), now,
+                                f"rank {rank}{_stage(int(t.pp_stage[rank]))} made no progress past step "
+                                f"{t.step[rank]} in phase '{phase_name(int(t.phase[rank]))}' "
+                                f"for {stalled[i]:.1f} s (timeout {timeout[i]:.1f} s, {basis})"))
+        return faults
+
+    def _judge_stragglers(self, cols: BeatColumns, live: np.ndarray, now: float) -> list[Fault]:
+        """STRAGGLER: slower than factor x the median of live ranks for `patience` distinct steps in a row."""
+        t = self._tracks
+        timed = live[~np.isnan(cols.step_time_s[live])]
+        if len(timed) < MIN_RANKS_FOR_STRAGGLERS:
+            return []
+        times = cols.step_time_s[timed]
+        median = float(np.median(times))
+        limit = self.health.straggler_factor * median
+        new = t.streak_step[timed] != cols.step[timed]  # only ranks showing a step not judged before
+        ranks, times = timed[new], times[new]
+        t.streak_step[ranks] = cols.step[ranks]
+        fine, slow = ranks[times <= limit], ranks[times > limit]
+        t.slow_streak[fine] = 0
+        t.straggling[fine] = False  # recovered: a later slow streak is reported again
+        t.slow_streak[slow] += 1
+        due = slow[(t.slow_streak[slow] >= self.health.straggler_patience) & ~t.straggling[slow]]
+        t.straggling[due] = True
+        faults = []
+        for rank in due.tolist():
+            took = float(cols.step_time_s[rank])
+            faults.append(Fault(
+                FaultKind.STRAGGLER, rank, int(cols.step[rank]), now,
+                f"rank {rank} took {took:.2f} s per step, {took / median:.1f}x "
+                f"the median {median:.2f} s, for {t.slow_streak[rank]} steps in a row "
+                f"(limit {self.health.straggler_factor}x)"))
+        return faults
+
+    def _judge_nan(self, cols: BeatColumns, live: np.ndarray, now: float) -> list[Fault]:
+        """NAN: any rank reporting a non-finite loss makes a job-wide fault, once per step."""
+        bad = live[~cols.loss_finite[live]]
+        if not len(bad):
+            return []
+        faults = []
+        steps, first, counts = np.unique(cols.step[bad], return_index=True, return_counts=True)
+        for step, i, count in zip(steps.tolist(), first.tolist(), counts.tolist(), strict=True):
             if step in self._nan_steps_reported:
                 continue
             self._nan_steps_reported.add(step)
-            first, count = nan_steps[step]
             others = f" and {count - 1} other rank(s)" if count > 1 else ""
-            faults.append(Fault(FaultKind.NAN, None, step, now,
-                                f"the loss at step {step} was not finite (reported by rank {first}{others})"))
+            faults.append(Fault(FaultKind.NAN, None, step, now, f"the loss at step {step} was not finite "
+                                f"(reported by rank {int(bad[i])}{others})"))
         return faults
 
-    def _judge_loss(self, beat: Heartbeat | None, now: float) -> list[Fault]:
+    def _judge_loss(self, cols: BeatColumns, live: np.ndarray, now: float) -> list[Fault]:
         """LOSS_SPIKE: the global loss above factor x the median of recent losses, once per step."""
-        if beat is None or beat.step == self._last_loss_step:
+        # The global loss is the same on every rank: the lowest live one reporting a finite one will do.
+        finite = live[cols.loss_finite[live] & np.isfinite(cols.loss[live])]
+        if not len(finite):
+            return []
+        rank = int(finite[0])
+        step, loss = int(cols.step[rank]), float(cols.loss[rank])
+        if step == self._last_loss_step:
             return []  # each distinct step is judged (and enters the window) once
-        self._last_loss_step = beat.step
-        if any(step >= beat.step for step in self._losses):
+        self._last_loss_step = step
+        if any(s >= step for s in self._losses):
             # Resumed from a checkpoint: the steps from here on are being trained again; the
             # previous attempt's values for them are not history any more.
-            self._losses = {k: v for k, v in self._losses.items() if k < beat.step}
+            self._losses = {k: v for k, v in self._losses.items() if k < step}
         window = [self._losses[k] for k in sorted(self._losses)[-LOSS_WINDOW:]]
         if len(window) >= MIN_LOSSES_TO_JUDGE:
             median = statistics.median(window)
             factor = self.health.loss_spike_factor
-            if median > 0 and beat.loss > factor * median:
+            if median > 0 and loss > factor * median:
                 # A spike stays out of the window, or a run of spikes would raise the bar for the next.
-                if beat.step in self._spike_steps_reported:
+                if step in self._spike_steps_reported:
                     return []
-                self._spike_steps_reported.add(beat.step)
-                return [Fault(FaultKind.LOSS_SPIKE, None, beat.step, now,
-                              f"loss {beat.loss:.4g} at step {beat.step} is {beat.loss / median:.1f}x the "
+                self._spike_steps_reported.add(step)
+                return [Fault(FaultKind.LOSS_SPIKE, None, step, now,
+                              f"loss {loss:.4g} at step {step} is {loss / median:.1f}x the "
                               f"median {median:.4g} of the last {len(window)} steps (limit {factor}x)")]
-        self._losses[beat.step] = beat.loss
+        self._losses[step] = loss
         if len(self._losses) > LOSS_HISTORY:  # bounded, yet longer than a checkpoint interval
-            for step in sorted(self._losses)[:-LOSS_HISTORY // 2]:
-                del self._losses[step]
+            for old in sorted(self._losses)[:-LOSS_HISTORY // 2]:
+                del self._losses[old]
         return []
 
 
-def _stage(track: RankTrack) -> str:
+def _stage(pp_stage: int) -> str:
     """" (pipeline stage 1)" for a rank of a pipeline; nothing otherwise."""
-    return f" (pipeline stage {track.pp_stage})" if track.pp_stage is not None else ""
+    return f" (pipeline stage {pp_stage})" if pp_stage != NONE else ""

@@ -1,94 +1,114 @@
-"""What the health monitor remembers about one rank between polls, and how it learns the
-rank's hang timeout from its step times. Pure: clocks are passed in (see monitor.py for the
-caller's clock and the judging clock)."""
+"""What the health monitor remembers about every rank between polls, as columns, and how it
+learns each rank's hang timeout from its step times. Pure: clocks are passed in (see
+monitor.py for the caller's clock and the judging clock).
+
+Columns rather than an object per rank: the monitor follows 16,384 ranks once a second, and
+the rules below are the same for every rank, so each is one numpy expression over the ranks
+it applies to (beat_columns.py says why).
+"""
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import numpy as np
 
 from longrun.config.sections import HealthSection
-from longrun.health.heartbeat import Heartbeat
-from longrun.kinds import SLOW_PHASES
+from longrun.health.beat_columns import NONE, SLOW_CODES, BeatColumns, phase_code
+from longrun.kinds import Phase
 
 STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
 MIN_ADVANCES_TO_LEARN = 2  # step advances seen before the learned timeout replaces the ceiling
+NO_STEP = np.iinfo(np.int64).min  # "no step" in an integer column (never judged, never reported)
 
 
-@dataclass(slots=True)
-class RankTrack:
-    """What the monitor remembers about one rank between polls."""
+class RankTracks:
+    """Per-rank memory of the monitor; index = rank."""
 
-    seen: bool = False
-    step: int | None = None
-    phase: str = "starting"
-    pp_stage: int | None = None  # the rank's pipeline position, as its heartbeat says
-    last_seen_at: float = 0.0  # caller clock of the last poll that had this rank's heartbeat
-    last_sent_at: float | None = None  # publisher clock of that heartbeat
-    progress_at: float = 0.0  # judging clock of the last step advance (or exit from a slow phase)
-    interval_clean: bool = False  # nothing but steps since progress_at: the interval is a step time
-    advances: int = 0
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIME_WINDOW))
-    learned_timeout_s: float | None = None
-    hang_reported_step: int | None = None
-    dead: bool = False
-    dead_sent_at: float | None = None  # the last heartbeat before death; only a newer one revives
-    slow_streak: int = 0
-    streak_step: int | None = None  # the last step judged for straggling
-    straggling: bool = False
-    finished: bool = False  # completed its work: no longer judged (its heartbeat will expire)
+    def __init__(self, world_size: int):
+        n = world_size
+        self.seen = np.zeros(n, bool)
+        self.step = np.zeros(n, np.int64)
+        self.phase = np.full(n, phase_code(Phase.STARTING), np.int16)
+        self.pp_stage = np.full(n, NONE, np.int16)
+        self.last_seen_at = np.zeros(n)  # caller clock of the last poll that had the rank's beat
+        self.last_sent_at = np.full(n, np.nan)  # publisher clock of that beat
+        self.progress_at = np.zeros(n)  # judging clock of the last step advance (or exit from a slow phase)
+        self.interval_clean = np.zeros(n, bool)  # nothing but steps since progress_at: a step time
+        self.advances = np.zeros(n, np.int64)
+        # Ring of recent step durations (NaN: empty slot); only its maximum is ever used.
+        self.durations = np.full((n, STEP_TIME_WINDOW), np.nan)
+        self.next_slot = np.zeros(n, np.int64)
+        self.learned_timeout_s = np.full(n, np.nan)
+        self.hang_reported_step = np.full(n, NO_STEP, np.int64)
+        self.dead = np.zeros(n, bool)
+        self.dead_sent_at = np.full(n, np.nan)  # the last beat before death; only a newer one revives
+        self.slow_streak = np.zeros(n, np.int64)
+        self.streak_step = np.full(n, NO_STEP, np.int64)  # the last step judged for straggling
+        self.straggling = np.zeros(n, bool)
+        self.finished = np.zeros(n, bool)  # completed its work: no longer judged (its beat will expire)
 
-    def follow(self, beat: Heartbeat, now: float, clock: float, health: HealthSection) -> None:
-        """Update a rank's progress clock and step-time window from its latest heartbeat."""
-        slow_phase = beat.phase in SLOW_PHASES
-        if not self.seen:
-            self.seen = True
-            self.step = beat.step
-            self.progress_at = clock
-            self.interval_clean = False  # first sighting is mid-step: no interval to measure yet
-        elif beat.step > self.step:
-            self._learn_step_time(beat, clock, health)
-            self.advances += 1
-            self.step = beat.step
-            self.progress_at = clock
-            self.interval_clean = True
-        elif beat.step < self.step:
-            # Restored from an earlier checkpoint: progress starts over from here.
-            self.step = beat.step
-            self.progress_at = clock
-            self.interval_clean = False
-            self.hang_reported_step = None
-        elif self.phase in SLOW_PHASES and not slow_phase:
-            # Leaving a checkpoint or restore: the ceiling covered its length; the step-sized
-            # timeout starts counting now, or a long save would read as a hang right after it.
-            self.progress_at = clock
-            self.interval_clean = False
-        if slow_phase:
-            self.interval_clean = False  # the interval includes non-step work: not a step time
-        self.phase = beat.phase
-        self.pp_stage = beat.pp_stage
-        self.last_seen_at = now
-        self.last_sent_at = beat.sent_at
+    def reset(self, ranks: np.ndarray) -> None:
+        """Forget `ranks` (a restarted process beats again): as if never seen."""
+        fresh = RankTracks(1)
+        for name, column in vars(self).items():
+            column[ranks] = getattr(fresh, name)[0]
 
-    def _learn_step_time(self, beat: Heartbeat, clock: float, health: HealthSection) -> None:
+    def follow(self, cols: BeatColumns, ranks: np.ndarray, now: float, clock: float,
+               health: HealthSection) -> None:
+        """Update the progress clock and step-time window of `ranks` (indices) from their beats."""
+        step, phase = cols.step[ranks], cols.phase[ranks]
+        slow_now = np.isin(phase, SLOW_CODES)
+        seen = self.seen[ranks]
+        first = ~seen
+        advanced = seen & (step > self.step[ranks])
+        went_back = seen & (step < self.step[ranks])
+        # Leaving a checkpoint or restore: the ceiling covered its length; the step-sized timeout
+        # starts counting now, or a long save would read as a hang right after it.
+        left_slow = seen & ~advanced & ~went_back & np.isin(self.phase[ranks], SLOW_CODES) & ~slow_now
+
+        if advanced.any():
+            self._learn_step_time(cols, ranks[advanced], clock, health)
+            self.advances[ranks[advanced]] += 1
+        # Restored from an earlier checkpoint: progress starts over, and a hang may be reported again.
+        self.hang_reported_step[ranks[went_back]] = NO_STEP
+        moved = first | advanced | went_back
+        self.step[ranks[moved]] = step[moved]
+        self.progress_at[ranks[moved | left_slow]] = clock
+        # A first sighting is mid-step (no interval to measure yet); an advance starts a clean
+        # interval unless it is in a phase that is not a step.
+        self.interval_clean[ranks[moved | left_slow]] = advanced[moved | left_slow]
+        self.interval_clean[ranks[slow_now]] = False
+        self.seen[ranks] = True
+        self.phase[ranks] = phase
+        self.pp_stage[ranks] = cols.pp_stage[ranks]
+        self.last_seen_at[ranks] = now
+        self.last_sent_at[ranks] = cols.sent_at[ranks]
+
+    def _learn_step_time(self, cols: BeatColumns, ranks: np.ndarray, clock: float,
+                         health: HealthSection) -> None:
         # The worker's own step_time_s misses time lost outside its timer (a stuck collective
         # before the timer starts); the wall time between sightings misses nothing but is coarse
         # and covers several steps when they are faster than the poll. Keep the larger.
-        samples = [] if beat.step_time_s is None else [beat.step_time_s]
-        if self.interval_clean:
-            samples.append((clock - self.progress_at) / (beat.step - self.step))
-        if not samples:
+        reported = cols.step_time_s[ranks]
+        between = np.where(self.interval_clean[ranks],
+                           (clock - self.progress_at[ranks]) / (cols.step[ranks] - self.step[ranks]), np.nan)
+        sample = np.fmax(reported, between)  # NaN only where neither is known
+        known = ~np.isnan(sample)
+        ranks, sample = ranks[known], sample[known]
+        if not len(ranks):
             return
-        self.durations.append(max(samples))
+        slot = self.next_slot[ranks]
+        self.durations[ranks, slot] = sample
+        self.next_slot[ranks] = (slot + 1) % STEP_TIME_WINDOW
         # Progress becomes visible only when the worker publishes and we poll, so a timeout below
         # two heartbeat intervals would flag healthy fast ranks between sightings.
         floor = max(health.hang_min_s, 2 * health.heartbeat_interval_s)
-        learned = health.hang_safety_factor * max(self.durations)
-        self.learned_timeout_s = min(health.hang_timeout_s, max(floor, learned))
+        learned = health.hang_safety_factor * np.nanmax(self.durations[ranks], axis=1)
+        self.learned_timeout_s[ranks] = np.minimum(health.hang_timeout_s, np.maximum(floor, learned))
 
-    def hang_timeout_s(self, health: HealthSection) -> float:
-        # Until two advances were seen, or in a phase that is not a step, the hard ceiling applies.
-        if (self.learned_timeout_s is None or self.advances < MIN_ADVANCES_TO_LEARN
-                or self.phase in SLOW_PHASES):
-            return health.hang_timeout_s
-        return self.learned_timeout_s
+    def hang_timeouts(self, ranks: np.ndarray, health: HealthSection) -> np.ndarray:
+        """The hang timeout of each of `ranks`: the hard ceiling until two advances were seen or
+        in a phase that is not a step, else the learned one."""
+        learned = self.learned_timeout_s[ranks]
+        ceiling = (np.isnan(learned) | (self.advances[ranks] < MIN_ADVANCES_TO_LEARN)
+                   | np.isin(self.phase[ranks], SLOW_CODES))
+        return np.where(ceiling, health.hang_timeout_s, learned)

@@ -17,7 +17,7 @@ from longrun import keys
 from longrun.config import JobConfig
 from longrun.failures import carried
 from longrun.goodput.ledger import StepLedger, step_ledger_client
-from longrun.health.heartbeat import HeartbeatPublisher
+from longrun.health.heartbeat import AgentLink, HeartbeatPublisher, agent_address
 from longrun.kinds import FaultKind, Phase
 from longrun.observability.discovery import advertised_address
 from longrun.observability.metrics import WorkerMetrics
@@ -141,9 +141,13 @@ class TrainWorker:
         # The step ledger (goodput) is written every step: a Redis away must not stall training.
         self.step_ledger = StepLedger(step_ledger_client(self.redis_url), cfg.job.name, self.attempt,
                                       self.rank)
-        beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank,
-                                  cfg.health.heartbeat_interval_s, cfg.health.heartbeat_timeout_s).start()
-        node = self.node_ids[self.rank // cfg.cluster.workers_per_node]
+        node_index = self.rank // cfg.cluster.workers_per_node
+        node = self.node_ids[node_index]
+        # At scale the beat goes to this node's agent (controller/agents.py started it before us).
+        link = AgentLink(agent_address(cfg.job.name, node), node_index) if cfg.node_agents else None
+        health = cfg.health
+        beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank, health.heartbeat_interval_s,
+                                  health.heartbeat_timeout_s, link=link).start()
         metrics = WorkerMetrics(cfg.job.name, self.rank, attempt=self.attempt, node=node)
         self._groups = None
         try:

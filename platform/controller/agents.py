@@ -1,0 +1,66 @@
+"""The heartbeat agents: one actor per node the job uses (health/node_agent.py), pinned to it.
+
+Like the snapshot keepers they outlive attempts (an agent serves whichever attempt its ranks
+beat for, so a restart on the same nodes starts none), and they are the controller's: they go
+when it goes. Before an attempt's workers start, every node of its placement has a live agent
+that answers: a rank's first beat must find someone listening. An agent that died (with its
+node, or killed) is replaced at the next attempt; while the attempt runs, its death reads as its
+node's (the node's record expires and the controller declares the node lost).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from longrun.config import JobConfig
+from longrun.health.node_agent import NodeAgent
+
+log = logging.getLogger(__name__)
+
+
+def agent_name(job: str, node: str) -> str:
+    return f"longrun-{job}-agent-{node[:16]}"
+
+
+class Agents:
+    def __init__(self, cfg: JobConfig, redis_url: str):
+        self.job, self.redis_url = cfg.job.name, redis_url
+        self.interval_s, self.timeout_s = cfg.health.heartbeat_interval_s, cfg.health.heartbeat_timeout_s
+        self._actors: dict[str, Any] = {}
+
+    def ensure(self, node_ids: Iterable[str], timeout_s: float = 60.0) -> None:
+        """A live, answering agent on each of `node_ids` (those that died are replaced); agents
+        on nodes the job no longer uses are let go."""
+        nodes = list(node_ids)
+        for node in [n for n in self._actors if n not in nodes]:
+            ray.kill(self._actors.pop(node), no_restart=True)
+        for node, actor in list(self._actors.items()):
+            try:
+                ray.get(actor.ping.remote(), timeout=timeout_s)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("heartbeat agent on node %s is gone (%s); starting another", node[:12], exc)
+                ray.kill(self._actors.pop(node), no_restart=True)
+        cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(NodeAgent)
+        started = []
+        for node in nodes:
+            if node not in self._actors:
+                self._actors[node] = cls.options(
+                    name=agent_name(self.job, node), get_if_exists=True,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote(self.job, node, self.redis_url, self.interval_s, self.timeout_s)
+                started.append(self._actors[node])
+        ray.get([a.ping.remote() for a in started], timeout=timeout_s)
+
+    def actor(self, node: str) -> Any:
+        return self._actors[node]
+
+    def close(self) -> None:
+        for actor in self._actors.values():
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()

@@ -1,0 +1,191 @@
+"""One agent per node: hears its ranks' heartbeats locally and publishes one record per node.
+
+MegaScale's per-node daemon, for the heartbeat path (node_beats.py says why). Each rank sends
+its heartbeat as a datagram to the agent's socket instead of writing a Redis key; the agent
+keeps the newest beat of every rank, checks that each rank's process still exists, and every
+interval publishes the node's record with an expiry of the heartbeat timeout.
+
+What it adds besides fewer keys: a rank's death is seen by its node, not by a key expiring.
+The agent looks at its ranks' processes every `CHECK_S` and publishes at once when one is gone,
+so the controller declares a dead rank within a poll of its death (about 1 s) rather than a
+heartbeat timeout (5 s). A frozen rank (SIGSTOP) sends nothing, and is left out once its
+newest beat is older than the timeout, as its key would have expired.
+
+The agent's socket is an abstract Unix socket (Linux: no file to clean up, private to the
+host's network namespace), named after the job and the Ray node: a worker finds its node's
+agent from what it already knows. `AgentLink` (heartbeat.py) is the worker's end; `NodeAgent` runs in an
+actor the controller pins to the node (controller/agents.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from longrun import keys
+from longrun.health.heartbeat import agent_address
+from longrun.health.node_beats import ROSTER_FIELDS, encode, rows_of
+
+log = logging.getLogger(__name__)
+CHECK_S = 0.1  # how often the agent looks for its ranks' processes
+MAX_DATAGRAM = 65536
+
+__all__ = ["NodeAgent", "NodeBeats", "agent_address", "process_alive"]
+
+
+@dataclass
+class _Rank:
+    beat: dict[str, Any]
+    heard_at: float  # the agent's monotonic clock
+    gone: bool = False  # its process exited
+
+
+@dataclass
+class NodeBeats:
+    """What one agent knows of one attempt's ranks on its node. Pure: clocks are passed in."""
+
+    node: int
+    timeout_s: float
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+
+    def heard(self, beat: dict[str, Any], at: float) -> None:
+        rank = int(beat["rank"])
+        known = self.ranks.get(rank)
+        if known is not None and known.gone and beat.get("pid") == known.beat.get("pid"):
+            return  # a datagram that was still in flight when the process went
+        self.ranks[rank] = _Rank(beat, at)
+
+    def check(self, alive: Any) -> bool:
+        """Mark ranks whose process `alive(pid)` says is gone; True when one newly is."""
+        newly = False
+        for r in self.ranks.values():
+            pid = r.beat.get("pid")
+            if not r.gone and pid and not alive(pid):
+                r.gone = newly = True
+        return newly
+
+    def record(self, now: float, wall: float) -> bytes:
+        """The node's record: the ranks alive and heard within the timeout."""
+        fresh = [r.beat for _, r in sorted(self.ranks.items())
+                 if not r.gone and now - r.heard_at <= self.timeout_s]
+        return encode(self.node, wall, rows_of(fresh))
+
+    def roster(self) -> str:
+        return json.dumps({rank: {k: r.beat.get(k) for k in ROSTER_FIELDS} for rank, r in self.ranks.items()})
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process on this host (a zombie is not: it has exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc here: existence is all we know
+
+
+class NodeAgent:
+    """The agent of one node for one job: a receiving thread and a publishing thread."""
+
+    def __init__(self, job: str, node_id: str, redis_url: str, interval_s: float, timeout_s: float):
+        self.job, self.interval_s, self.timeout_s = job, interval_s, timeout_s
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=max(1.0, interval_s),
+                                           socket_connect_timeout=max(1.0, interval_s))
+        self.address = agent_address(job, node_id)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.address)
+        self._sock.settimeout(0.5)
+        self._lock = threading.Lock()
+        self._attempt = -1
+        self._nodes: dict[int, NodeBeats] = {}  # node index -> its ranks (one, unless the layout changed)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.published = self.errors = 0
+        self._threads = [threading.Thread(target=self._receive, name="agent-receive", daemon=True),
+                         threading.Thread(target=self._publish_loop, name="agent-publish", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def ping(self) -> str:
+        return self.address
+
+    def stats(self) -> dict[str, int]:
+        return {"published": self.published, "errors": self.errors, "attempt": self._attempt}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=2)
+        self._sock.close()
+
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(MAX_DATAGRAM)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                message = json.loads(data)
+                beat, node = message["beat"], int(message["node"])
+                attempt = int(beat.get("attempt", 0))
+            except (ValueError, KeyError, TypeError):
+                self.errors += 1
+                continue
+            with self._lock:
+                if attempt < self._attempt:
+                    continue  # a rank of an attempt the job has left
+                if attempt > self._attempt:  # a new attempt: the old one's ranks are history
+                    self._attempt, self._nodes = attempt, {}
+                    self._wake.set()
+                nodes = self._nodes.setdefault(node, NodeBeats(node, self.timeout_s))
+                first = int(beat["rank"]) not in nodes.ranks
+                nodes.heard(beat, time.monotonic())
+            if first:
+                self._wake.set()  # a rank's first beat is news: publish it now
+
+    def _publish_loop(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            with self._lock:
+                newly_gone = any(n.check(process_alive) for n in self._nodes.values())
+            now = time.monotonic()
+            if newly_gone or self._wake.is_set() or now >= next_at:
+                self._wake.clear()
+                self._publish(now)
+                next_at = now + self.interval_s
+            self._wake.wait(min(CHECK_S, max(0.0, next_at - time.monotonic())))
+
+    def _publish(self, now: float) -> None:
+        with self._lock:
+            attempt = self._attempt
+            records = {n: (b.record(now, time.time()), b.roster()) for n, b in self._nodes.items()}
+        if attempt < 0:
+            return
+        px = int(self.timeout_s * 1000)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for node, (record, roster) in records.items():
+                pipe.set(keys.node_beats_key(self.job, attempt, node), record, px=px)
+                pipe.set(keys.node_roster_key(self.job, attempt, node), roster, px=px)
+            pipe.execute()
+            self.published += 1
+        except (redis.RedisError, OSError) as exc:
+            # A Redis blip must not end the agent; the controller pauses judging meanwhile.
+            self.errors += 1
+            log.debug("publishing the node's beats failed: %s", exc)
