@@ -41,7 +41,7 @@ LAST_EVENTS = 5
 _STATE = re.compile(r"state (" + "|".join(JobState) + r"): (.*)")
 _STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
 _EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume|waiting_for_nodes|grow_requested|"
-                    r"resized): (.*)$")
+                    r"resized|stragglers): (.*)$")
 _RESIZED = re.compile(r"-> (\d+) node\(s\), \d+ -> (\d+) rank\(s\)")  # the controller's "resized" event
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _GOODPUT = re.compile(r"^goodput \d+(\.\d+)?% of ")  # the controller's goodput line (goodput/summary.py)
@@ -65,6 +65,11 @@ class ControllerView:
     # "goodput 93.4% of 6m 52s; lost to redone 12.0 s, ...": the goodput summary's line. None:
     # not known (an older controller, or a log from before the first attempt ended).
     goodput: str | None = None
+    # "runs 23% slower than with every rank at the median (1.23 s vs 1.00 s): node n3 (ranks
+    # 24-31) slow together 1.60x": the newest straggler report (health/stragglers.py). None: not
+    # known (no report yet, between attempts, or an older controller). From the log: the last
+    # one that named a change.
+    stragglers: str | None = None
 
 
 def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
@@ -84,6 +89,8 @@ def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
                 view.evicted.append(m.group(2).split()[1])
             elif m.group(1) == "resized" and (size := _RESIZED.search(m.group(2))):
                 view.size = f"{size.group(1)} node(s), {size.group(2)} rank(s)"
+            elif m.group(1) == "stragglers":
+                view.stragglers = m.group(2)
         elif _GOODPUT.match(line):
             view.goodput = line
     view.events = view.events[-last_events:]
@@ -152,7 +159,8 @@ def view_of_record(status: dict[str, Any], source: str) -> ControllerView:
         state=status["state"], reason=fields.get("reason", ""), attempt=status["attempt"],
         step=f"{status['step']}/{steps}" if steps else str(status["step"]),
         loss=float(loss) if loss is not None else None, evicted=sorted(status["evicted"]),
-        events=[event_line(e) for e in status["events"]], source=source, size=fields.get("size"))
+        events=[event_line(e) for e in status["events"]], source=source, size=fields.get("size"),
+        stragglers=fields.get("stragglers") or None)
 
 
 def event_line(event: dict[str, Any]) -> str:

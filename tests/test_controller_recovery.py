@@ -19,7 +19,7 @@ from longrun.controller.job_state import JobRecordStore
 STEPS = 8
 
 
-def job(name: str, tmp_path, faults=(), **recovery):
+def job(name: str, tmp_path, faults=(), node_agents="off", **recovery):
     return config_from_dict({
         "job": {"name": name, "seed": 7, "output_dir": str(tmp_path)},
         "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
@@ -30,7 +30,7 @@ def job(name: str, tmp_path, faults=(), **recovery):
         "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "log_every": 100},
         "checkpoint": {"interval_steps": 2, "keep_last": 10},
         "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 60,
-                   "hang_min_s": 5, "faults": list(faults)},
+                   "hang_min_s": 5, "faults": list(faults), "node_agents": node_agents},
         "recovery": {"restart_backoff_s": 0.0} | recovery,
     })
 
@@ -55,10 +55,12 @@ def _assert_same_weights(got, want):
         assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
 
 
-@pytest.mark.parametrize("kind, rank", [("kill", 1), ("hang", 2)])
-def test_a_lost_worker_is_replaced_and_nothing_committed_is_lost(kind, rank, cluster, reference,
+@pytest.mark.parametrize("kind, rank, agents", [("kill", 1, "off"), ("hang", 2, "off"), ("kill", 2, "on")])
+def test_a_lost_worker_is_replaced_and_nothing_committed_is_lost(kind, rank, agents, cluster, reference,
                                                                  redis_server, redis_client, tmp_path):
-    cfg = job(f"fault-{kind}", tmp_path, faults=[{"rank": rank, "step": 3, "kind": kind}])
+    # agents "on": the heartbeats go through one agent per node (health/node_agent.py), as at scale.
+    cfg = job(f"fault-{kind}-agents-{agents}", tmp_path, faults=[{"rank": rank, "step": 3, "kind": kind}],
+              node_agents=agents)
     lines: list[str] = []
     summary = Controller(cfg, redis_server.url, on_event=lines.append).run()
     assert summary["step"] == STEPS
@@ -73,6 +75,8 @@ def test_a_lost_worker_is_replaced_and_nothing_committed_is_lost(kind, rank, clu
     # The lost rank is named (its peers' failed collectives may be reported too).
     assert any(e["fault"] == "dead" and e["rank"] == rank for e in faults), faults
     assert any(e["type"] == "decision" and "restart" in e["reason"] for e in status["events"])
+    # Every rank's beats reached the controller in the new attempt (through the agents where on).
+    assert any(e["type"] == "recovered" for e in status["events"]), status["events"]
     # Both attempts' rendezvous store, heartbeats, self-check stores and commit ledgers are gone.
     assert not list(redis_client.scan_iter(match=f"longrun:{cfg.job.name}:a[0-9]*")), "attempt keys left"
 

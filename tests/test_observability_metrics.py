@@ -65,6 +65,8 @@ CONTROLLER_FAMILIES = {
     "longrun_job_world_size": ("gauge", set()),
     "longrun_goodput_ratio": ("gauge", set()),
     "longrun_job_seconds_total": ("gauge", {"bucket"}),  # a gauge: see controller_metrics.py
+    "longrun_straggler_slowdown_ratio": ("gauge", set()),
+    "longrun_slow_ranks": ("gauge", {"blame"}),
 }
 
 

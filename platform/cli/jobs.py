@@ -105,6 +105,8 @@ def cmd_status(args) -> int:
         out.print(f"size: {view.size}", highlight=False)
     if view.goodput:
         out.print(escape(view.goodput), highlight=False)
+    if view.stragglers:
+        out.print(f"stragglers: {escape(view.stragglers)}", highlight=False)
     out.print(f"evicted nodes: {', '.join(view.evicted) or 'none'}", highlight=False)
     for line in view.events:
         out.print(f"  {escape(line)}", highlight=False)

@@ -393,7 +393,10 @@ class RecoverySection(Section):
         1.0, description="Wait before a restart; doubled per restart in a row that got no further "
         "than the fault before it (at most 60 s), back to this once the job trains past it.")
     evict_on_failed_diagnostics: bool = True
-    evict_stragglers: bool = Field(False, description="Evict a straggler's node (else report it).")
+    evict_stragglers: bool = Field(
+        True, description="Evict the node of stragglers blamed on their node (health/stragglers.py: its "
+        "ranks slow together with normal data) when a spare node or a shrink can take its place; "
+        "stragglers of their data, pipeline stage or alone on a node are only reported. false: report all.")
     skip_after_spikes: PositiveInt = Field(
         2, description="Loss spikes at the same step before its data window is skipped on restart.")
     preemption_grace_s: PositiveFloat = Field(

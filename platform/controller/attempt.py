@@ -9,17 +9,20 @@ recovery is measured from).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from longrun.config.sections import HealthSection
 from longrun.controller.state import Transition
 from longrun.controller.workers import WorkerGroup
-from longrun.health.heartbeat import Heartbeat
+from longrun.health.beat_columns import STARTING_CODES, BeatColumns
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Incident
 from longrun.health.scaling import SizeDecision
-from longrun.kinds import STARTING_PHASES, FaultKind
+from longrun.kinds import FaultKind
 
 
 @dataclass
@@ -34,7 +37,8 @@ class Attempt:
     settle_until: float | None = None  # monitor clock: when held exceptions are decided anyway
     trained: bool = False  # every rank has completed a step of this attempt
     endpoints: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (metrics host:port, node)
-    last_beat_at: dict[int, float] = field(default_factory=dict)  # rank -> sent_at of its newest heartbeat
+    last_beat_at: LastBeats = field(default_factory=lambda: LastBeats())  # rank -> sent_at of its newest beat
+    endpoints_changed: int = 0  # bumped whenever `endpoints` changes (scrape targets are rebuilt then only)
     reached: int = 0  # the newest step any rank reported in this attempt
     lost_from: int | None = None  # the step the previous attempt had reached when it failed
     world_size: int = 0  # ranks watched (from RENDEZVOUS on): an elastic job's may be fewer than configured
@@ -61,7 +65,9 @@ class Attempt:
     def watch(self, world_size: int, health: HealthSection, now: float) -> None:
         """Start judging this attempt's heartbeats (its ranks were just started)."""
         self.world_size = world_size
-        self.monitor = HealthMonitor(world_size, health, started_at=now, loss_history=self.loss_history)
+        nodes = [self.group.node_of(rank) for rank in range(world_size)] if self.group is not None else None
+        self.monitor = HealthMonitor(world_size, health, started_at=now, loss_history=self.loss_history,
+                                     nodes=nodes)
 
     def settle(self, incidents: list[Incident], now: float, patience_s: float) -> list[Incident] | None:
         """The incidents to decide on now, or None to hold them for a later poll.
@@ -79,7 +85,32 @@ class Attempt:
         self.held = incidents
         return None
 
-    def first_step_done(self, live: list[Heartbeat], world_size: int) -> bool:
+    def first_step_done(self, beats: BeatColumns) -> bool:
         """Every rank has trained a step past where this attempt resumed."""
-        return len(live) == world_size and all(
-            b.phase not in STARTING_PHASES and b.step > b.resumed_from for b in live)
+        return bool(beats.present.all() and not np.isin(beats.phase, STARTING_CODES).any()
+                    and (beats.step > beats.resumed_from).all())
+
+
+class LastBeats(Mapping[int, float]):
+    """Rank -> the send time of its newest heartbeat in the attempt, kept as a column (updated
+    each poll without a Python loop over the ranks); a rank never heard of is absent."""
+
+    def __init__(self) -> None:
+        self._at = np.zeros(0)
+
+    def update(self, beats: BeatColumns) -> None:
+        if len(self._at) != beats.world_size:
+            self._at = np.full(beats.world_size, np.nan)
+        self._at[beats.present] = beats.sent_at[beats.present]
+
+    def __getitem__(self, rank: int) -> float:
+        at = self._at[rank] if isinstance(rank, int) and 0 <= rank < len(self._at) else np.nan
+        if np.isnan(at):  # never heard of, or no rank at all (a job-wide incident's None)
+            raise KeyError(rank)
+        return float(at)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(~np.isnan(self._at)).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(~np.isnan(self._at)))

@@ -558,7 +558,13 @@ class Controller:
         history = [RestartRecord.from_dict(r) for r in self.record.restarts()]
         return decide(incidents, history, self.cfg.recovery, now=self.wall(), failed_diagnostics=failed_nodes,
                       spare_nodes=self.launch.spare_nodes(self.layout, self.record.evicted()),
-                      restarts_total=self.record.restart_count(), reached_step=self._reached())
+                      restarts_total=self.record.restart_count(), reached_step=self._reached(),
+                      can_shrink=self._can_shrink())
+
+    def _can_shrink(self) -> bool:
+        """An elastic job running above a size it could continue at: a slow node can be evicted."""
+        nodes = self.layout.cluster.nodes
+        return self.sizing is not None and any(n < nodes for n in self.sizing.policy.sizes)
 
     def _reached(self) -> int:
         """The newest step the job got to: this attempt's, or the last one's if it trained none."""

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import redis
 
 from longrun.config import JobConfig
@@ -28,8 +29,9 @@ from longrun.controller.state import JobState, Transition
 from longrun.goodput.accounting import StepRecord
 from longrun.goodput.tracker import GoodputTracker
 from longrun.health.decisions import PRECEDENCE
-from longrun.health.heartbeat import Heartbeat
+from longrun.health.node_beats import Beats
 from longrun.health.policy import Action, Incident
+from longrun.health.stragglers import StragglerReport
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import write_file_sd
 
@@ -39,6 +41,9 @@ LAST_LINES = 10  # of a rank at fault, in its fault event
 CONSOLE_LINES = 3  # of those, on the console (of the most telling fault only)
 # (attempt, rank) -> (the rank's log file, its last lines): controller/rank_logs.py
 LastLines = Callable[[int, int], tuple[str, list[str]]]
+# A straggler event whose only news is that slow data came or went: at most this often.
+STRAGGLER_EVENT_EVERY_S = 300.0
+_NO_FINDINGS: tuple = (frozenset(), frozenset(), frozenset(), False)
 
 
 class Listener:
@@ -48,7 +53,11 @@ class Listener:
     def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None: ...
     def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None: ...
     def diagnosed(self, reports: list[dict[str, Any]]) -> None: ...
-    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None: ...
+    # One poll's heartbeats (health/node_beats.py): columns for every rank; `beats.live()` builds
+    # Heartbeat objects, which costs ~80 ms at 16,384 ranks: listeners use the columns.
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None: ...
+    # The straggler report of a poll (health/stragglers.py): what slow ranks cost, and why.
+    def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None: ...
     def trained(self, attempt: Attempt) -> None: ...
     def ending(self, attempt: Attempt) -> None: ...
     def ended(self, attempt: Attempt) -> None: ...
@@ -78,6 +87,9 @@ class Listeners(Listener):
     def heartbeats(self, *args: Any) -> None:
         self._all("heartbeats", args)
 
+    def stragglers(self, *args: Any) -> None:
+        self._all("stragglers", args)
+
     def trained(self, *args: Any) -> None:
         self._all("trained", args)
 
@@ -104,6 +116,8 @@ class EventLog(Listener):
     def __init__(self, record: JobRecordStore, on_event: Callable[[str], None],
                  last_lines: LastLines | None = None):
         self.record, self.on_event, self.last_lines = record, on_event, last_lines
+        self._stragglers: tuple = _NO_FINDINGS  # what the last "stragglers" event reported
+        self._stragglers_at: float | None = None
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
         self.record.record_transition(move, attempt.number)
@@ -130,12 +144,44 @@ class EventLog(Listener):
             for line in lines[-CONSOLE_LINES:] if n == 0 else ():  # a record's first line; all in the file
                 self.on_event(f"  rank {i.rank}| {first_line(line)}")
 
+    def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None:
+        # An event when what is found changes (a node, stage or lone rank named or cleared),
+        # not every poll: the numbers move each step, the record's `stragglers` field has them.
+        # Slow data comes and goes with the batches, so it is news at most every
+        # STRAGGLER_EVENT_EVERY_S.
+        key = straggler_findings(report)
+        if key == self._stragglers:
+            return
+        if (key[:3] == self._stragglers[:3] and self._stragglers_at is not None
+                and wall - self._stragglers_at < STRAGGLER_EVENT_EVERY_S):
+            return
+        self._stragglers, self._stragglers_at = key, wall
+        self.event("stragglers", attempt, report.sentence(),
+                   {"slowdown": round(report.slowdown, 4), "slow_ranks": report.by_blame()})
+
+    def ended(self, attempt: Attempt) -> None:
+        self._stragglers, self._stragglers_at = _NO_FINDINGS, None  # the next attempt starts afresh
+
     def resumed(self, attempt: int, step: int | None, source: str, seconds: float) -> None:
         if step is None:
             return
         message = resumed_message(step, source, seconds)
         self.record.event("resumed", attempt, message, step=step, source=source, seconds=round(seconds, 3))
         self.on_event(message)
+
+
+def straggler_findings(report: StragglerReport) -> tuple:
+    """What a straggler report found, without its numbers: the slow nodes, the slow stages, the
+    ranks slow alone, and whether any rank is slow from its data."""
+    found = {b: set() for b in ("node", "stage", "rank")}
+    data = False
+    for s in report.slow:
+        if s.blame == "data":
+            data = True
+        else:
+            found[s.blame].add(s.node if s.blame == "node" else s.stage if s.blame == "stage" else s.rank)
+    found["stage"] |= {stage for stage, _ in report.stages}
+    return (frozenset(found["node"]), frozenset(found["stage"]), frozenset(found["rank"]), data)
 
 
 def first_line(text: str, limit: int = 240) -> str:
@@ -161,6 +207,7 @@ class MetricsListener(Listener):
 
     def __init__(self, metrics: ControllerMetrics, record: JobRecordStore, cfg: JobConfig):
         self.metrics, self.record, self.total_steps = metrics, record, cfg.training.steps
+        self._nodes_of: tuple[int, list[str]] = (-1, [])  # (attempt, each rank's node)
         self.metrics.set_size(cfg.cluster.nodes, cfg.world_size)  # until an elastic job resizes
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
@@ -191,14 +238,21 @@ class MetricsListener(Listener):
             for name, ok, seconds, _detail in report["checks"]:
                 self.metrics.diagnostics(report["node"], name, ok, seconds)
 
-    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
-        for b in live:
-            node = attempt.group.node_of(b.rank)
-            self.metrics.heartbeat_age(b.rank, node, max(0.0, wall - b.sent_at), sent_at=b.sent_at)
-        self.metrics.set_step(min(b.step for b in live), self.total_steps)
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
+        cols = beats.columns
+        ranks = np.flatnonzero(cols.present)
+        if self._nodes_of[0] != attempt.number:  # each rank's node, named once per attempt
+            self._nodes_of = (attempt.number, [attempt.group.node_of(r) for r in range(cols.world_size)])
+        sent = cols.sent_at[ranks]
+        self.metrics.heartbeat_ages(ranks, self._nodes_of[1], np.maximum(0.0, wall - sent), sent)
+        self.metrics.set_step(int(cols.step[ranks].min()), self.total_steps)
+
+    def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None:
+        self.metrics.set_stragglers(report.slowdown, report.by_blame())
 
     def ended(self, attempt: Attempt) -> None:
         self.metrics.forget_ranks()  # its ranks are gone; the next attempt may place them elsewhere
+        self.metrics.set_stragglers(0.0, {})  # and so is their pace
 
 
 def _resized(attempt: Attempt) -> bool:
@@ -215,12 +269,16 @@ class Discovery(Listener):
     def __init__(self, cfg: JobConfig, targets: Callable[[], list[dict]]):
         self.path, self.targets = cfg.observability.file_sd_path, targets
         self._written: list[dict] | None = None
+        self._endpoints_seen = -1
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
         self._refresh()  # the controller's own target first; then a new attempt or a stopped one
 
-    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
-        self._refresh()  # workers publish their endpoints in their heartbeats
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
+        # Workers publish their endpoints in their heartbeats; rebuilt only when one changed.
+        if attempt.endpoints_changed != self._endpoints_seen:
+            self._endpoints_seen = attempt.endpoints_changed
+            self._refresh()
 
     def ended(self, attempt: Attempt) -> None:
         self._refresh()  # the attempt's workers leave the targets
@@ -244,12 +302,27 @@ class ProgressRecord(Listener):
     def __init__(self, record: JobRecordStore):
         self.record = record  # on the quick client: a miss must not stall the watch
 
-    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
-        first = min(live, key=lambda b: b.rank)
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
+        cols = beats.columns
+        ranks = np.flatnonzero(cols.present)
+        first = cols.beat(int(ranks[0]))  # the lowest live rank's loss and phase
         try:
-            self.record.update(step=min(b.step for b in live), loss=first.loss, phase=first.phase)
+            self.record.update(step=int(cols.step[ranks].min()), loss=first.loss, phase=first.phase)
         except (redis.RedisError, OSError) as exc:
             log.warning("job record progress not written: %s", exc)
+
+    def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None:
+        # What `longrun status` shows under "stragglers:", the newest poll's.
+        try:
+            self.record.update(stragglers=report.sentence())
+        except (redis.RedisError, OSError) as exc:
+            log.warning("job record straggler report not written: %s", exc)
+
+    def ended(self, attempt: Attempt) -> None:
+        try:  # the ended attempt's pace says nothing about the next one
+            self.record.update(stragglers="")
+        except (redis.RedisError, OSError) as exc:
+            log.warning("job record straggler report not cleared: %s", exc)
 
 
 class SpareWarmer(Listener):
@@ -289,7 +362,7 @@ class GoodputListener(Listener):
         if incidents:
             self.tracker.declared(wall, incidents[0].kind)
 
-    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
         self.tracker.poll(attempt.number)
         self.metrics.set_goodput(self.tracker.summary().buckets)
 

@@ -26,7 +26,7 @@ from longrun import keys
 from longrun.controller.attempt import Attempt
 from longrun.controller.listeners import Listener, first_line
 from longrun.controller.state import JobState, Transition
-from longrun.health.heartbeat import Heartbeat
+from longrun.health.node_beats import Beats
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RankLogs(Listener):
         if move.target is JobState.RENDEZVOUS:  # before the ranks run
             self.open(attempt.number)
 
-    def heartbeats(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
         self._world = attempt.world_size
         self.drain(attempt.number)
 

@@ -28,9 +28,10 @@ from longrun.controller.attempt import Attempt
 from longrun.controller.listeners import Listener
 from longrun.controller.outcomes import RankEnded
 from longrun.goodput.tracker import GoodputTracker
-from longrun.health.heartbeat import Heartbeat
+from longrun.health.beat_columns import BeatColumns
 from longrun.health.node_beats import Beats, NodeBeatReader, RankBeatReader
 from longrun.health.policy import Incident
+from longrun.health.stragglers import StragglerReport
 from longrun.kinds import FaultKind
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class Watcher:
         self.poll_s, self.clock, self.wall = poll_s, clock, wall
         self._store_lost_at: float | None = None  # wall time the heartbeat reads started failing
         self._readers: dict[int, RankBeatReader | NodeBeatReader] = {}  # the watched attempt's
+        self._explained: StragglerReport | None = None  # the straggler report last handed on
+        self._endpoints_seen: dict[int, str] | None = None  # the metrics endpoints last looked at
 
     def poll(self, attempt: Attempt) -> list[Incident] | None:
         """One heartbeat interval of watching. [] when every rank finished, the incidents when
@@ -62,7 +65,10 @@ class Watcher:
                                    node=group.node_of(f.rank) if f.rank is not None else None,
                                    step=f.step, at=wall, detail=f.detail, blame=f.blame)
                           for f in monitor.observe(beats.columns, now)]
-            self._progress(attempt, beats.live(), wall)
+            if monitor.stragglers is not None and monitor.stragglers is not self._explained:
+                self._explained = monitor.stragglers  # what slow ranks cost the job, and why
+                self.listeners.stragglers(attempt, monitor.stragglers, wall)
+            self._progress(attempt, beats, wall)
         decided = attempt.settle(incidents, now, self.cfg.health.heartbeat_timeout_s)
         if decided is None or decided:
             return decided
@@ -113,33 +119,38 @@ class Watcher:
                     f"for {self.cfg.health.heartbeat_timeout_s:g} s: its node is taken for lost")))
         return incidents
 
-    def _progress(self, attempt: Attempt, live: list[Heartbeat], wall: float) -> None:
-        if not live:
+    def _progress(self, attempt: Attempt, beats: Beats, wall: float) -> None:
+        cols = beats.columns
+        if not cols.present.any():
             return
-        attempt.reached = max(attempt.reached, *(b.step for b in live))
-        for b in live:
-            attempt.last_beat_at[b.rank] = b.sent_at
-            if b.metrics_addr:
-                attempt.endpoints[b.rank] = (b.metrics_addr, attempt.group.node_of(b.rank))
-        self.listeners.heartbeats(attempt, live, wall)
-        if attempt.trained or not attempt.first_step_done(live, attempt.world_size):
+        # Columns, not a loop over heartbeats: at 16,384 ranks this runs every second.
+        attempt.reached = max(attempt.reached, int(cols.step[cols.present].max()))
+        attempt.last_beat_at.update(cols)
+        if beats.endpoints is not self._endpoints_seen:  # per-node records: only when the roster changed
+            self._endpoints_seen = beats.endpoints
+            for rank, address in beats.endpoints.items():
+                if attempt.endpoints.get(rank, ("",))[0] != address:
+                    attempt.endpoints[rank] = (address, attempt.group.node_of(rank))
+                    attempt.endpoints_changed += 1
+        self.listeners.heartbeats(attempt, beats, wall)
+        if attempt.trained or not attempt.first_step_done(cols):
             return
         attempt.trained = True
         self.listeners.trained(attempt)
         if attempt.recovery is not None:
             took = self.wall() - attempt.recovery.at
-            resumed, lost, source = self._resumed(attempt, live)
+            resumed, lost, source = self._resumed(attempt, cols)
             self.listeners.event("recovered", attempt, (
                 f"attempt {attempt.number} completed its first step {took:.1f} s after the fault "
                 f"was declared; it resumed from step {resumed}, {lost} step(s) of work lost"
                 + ("" if source == "ledger" else " (from heartbeats: the step ledger could not be read)")),
                 {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source})
 
-    def _resumed(self, attempt: Attempt, live: list[Heartbeat]) -> tuple[int, int, str]:
+    def _resumed(self, attempt: Attempt, cols: BeatColumns) -> tuple[int, int, str]:
         """(step resumed from, steps lost, "ledger" or "heartbeats"): the step ledger's once it
         has every rank's restore, else the heartbeats' (Redis was away when it was read)."""
         known = self.ledger.recovery(attempt.number) if self.ledger is not None else None
         if known is not None:
             return *known, "ledger"
-        resumed = max(b.resumed_from for b in live)
+        resumed = int(cols.resumed_from[cols.present].max())
         return resumed, max(0, (attempt.lost_from or 0) - resumed), "heartbeats"

@@ -24,6 +24,7 @@ from longrun.config.sections import HealthSection
 from longrun.health.beat_columns import NONE, BeatColumns, phase_name
 from longrun.health.heartbeat import Heartbeat
 from longrun.health.rank_track import RankTracks
+from longrun.health.stragglers import NodeIndex, StragglerReport, attribute
 from longrun.kinds import FaultKind
 
 __all__ = ["Fault", "FaultKind", "HealthMonitor"]
@@ -32,6 +33,7 @@ LOSS_WINDOW = 32  # recent distinct-step losses a new loss is compared against
 # checkpoint interval, and the steps before it must still be there to judge against.
 LOSS_HISTORY = 4096
 MIN_LOSSES_TO_JUDGE = 8  # with fewer, the median of "recent losses" is mostly warm-up noise
+EXPLAIN_EVERY = 10  # polls between explanations of the job's pace when no straggler is new
 MIN_RANKS_FOR_STRAGGLERS = 3  # with two step times the median is their mean: no outlier to find
 
 
@@ -47,7 +49,8 @@ class Fault:
 
 class HealthMonitor:
     def __init__(self, world_size: int, health: HealthSection, *, started_at: float,
-                 startup_grace_s: float = 120.0, loss_history: Mapping[int, float] | None = None):
+                 startup_grace_s: float = 120.0, loss_history: Mapping[int, float] | None = None,
+                 nodes: Sequence[str | None] | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if startup_grace_s < 0:
@@ -57,6 +60,10 @@ class HealthMonitor:
         self.started_at = started_at
         self.startup_grace_s = startup_grace_s
         self._tracks = RankTracks(world_size)
+        # Which node each rank runs on: a straggler is explained by its node, data or stage.
+        self._nodes = NodeIndex.of(list(nodes) if nodes is not None else [None] * world_size)
+        self.stragglers: StragglerReport | None = None  # the newest explanation of the job's pace
+        self._polls = 0
         self._blind_s = 0.0  # total seconds the store was unreachable: the judging clock stood still
         self._outage_since: float | None = None
         self._last_poll_at: float | None = None
@@ -200,20 +207,28 @@ class HealthMonitor:
         new = t.streak_step[timed] != cols.step[timed]  # only ranks showing a step not judged before
         ranks, times = timed[new], times[new]
         t.streak_step[ranks] = cols.step[ranks]
+        t.note_step_times(ranks, times)
         fine, slow = ranks[times <= limit], ranks[times > limit]
         t.slow_streak[fine] = 0
         t.straggling[fine] = False  # recovered: a later slow streak is reported again
         t.slow_streak[slow] += 1
         due = slow[(t.slow_streak[slow] >= self.health.straggler_patience) & ~t.straggling[slow]]
         t.straggling[due] = True
+        self._polls += 1
+        if len(due) or self._polls % EXPLAIN_EVERY == 1:
+            self.stragglers = attribute(t.typical_step_times(), self._nodes, cols.pp_stage, cols.work_cost,
+                                        self.health.straggler_factor)
+        blames = {s.rank: s for s in self.stragglers.slow} if len(due) else {}
         faults = []
         for rank in due.tolist():
             took = float(cols.step_time_s[rank])
+            why = blames.get(rank)
             faults.append(Fault(
                 FaultKind.STRAGGLER, rank, int(cols.step[rank]), now,
                 f"rank {rank} took {took:.2f} s per step, {took / median:.1f}x "
                 f"the median {median:.2f} s, for {t.slow_streak[rank]} steps in a row "
-                f"(limit {self.health.straggler_factor}x)"))
+                f"(limit {self.health.straggler_factor}x)" + (f"; {why.blame}: {why.detail}" if why else ""),
+                blame=why.blame if why else "rank"))
         return faults
 
     def _judge_nan(self, cols: BeatColumns, live: np.ndarray, now: float) -> list[Fault]:

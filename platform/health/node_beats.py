@@ -55,6 +55,16 @@ def decode(raw: bytes) -> tuple[int, float, np.ndarray]:
     return int(header["node"]), float(header["sent_at"]), np.frombuffer(raw, ROW, count, HEADER.itemsize)
 
 
+def decode_many(records: Sequence[bytes]) -> np.ndarray:
+    """Every row of many records at once (their headers checked, then skipped): the controller's
+    poll at 16,384 ranks decodes 2,048 records, and one `decode` each costs 20 us of numpy set-up."""
+    size, step = HEADER.itemsize, ROW.itemsize
+    for raw in records:
+        if raw[:4] != MAGIC or (len(raw) - size) % step:
+            decode(raw)  # raises, saying what is wrong with it
+    return np.frombuffer(b"".join(raw[size:] for raw in records), ROW)
+
+
 def rows_of(beats: Sequence[Mapping[str, Any]]) -> np.ndarray:
     """ROW entries for heartbeats given as dicts (Heartbeat's fields, as a worker sends them)."""
     rows = np.zeros(len(beats), ROW)
@@ -98,6 +108,9 @@ class Beats:
     heartbeats: list[Heartbeat] | None = None
     roster: dict[int, dict[str, Any]] = field(default_factory=dict)
     attempt: int = 0
+    # Rank -> its metrics endpoint (host:port): the same object from poll to poll until one
+    # changes, so the controller looks at 16,384 of them only when there is news.
+    endpoints: dict[int, str] = field(default_factory=dict)
 
     def live(self) -> list[Heartbeat]:
         if self.heartbeats is None:
@@ -120,8 +133,9 @@ class RankBeatReader:
 
     def read(self) -> Beats:
         beats = read_heartbeats(self.client, self.job, self.attempt, range(self.world_size))
-        return Beats(BeatColumns.from_beats(beats, self.world_size),
-                     heartbeats=[b for b in beats.values() if b is not None], attempt=self.attempt)
+        live = [b for b in beats.values() if b is not None]
+        return Beats(BeatColumns.from_beats(beats, self.world_size), heartbeats=live, attempt=self.attempt,
+                     endpoints={b.rank: b.metrics_addr for b in live if b.metrics_addr})
 
 
 class NodeBeatReader:
@@ -136,28 +150,27 @@ class NodeBeatReader:
         self._seen = np.zeros(self.nodes, bool)  # nodes whose agent has published this attempt
         self._lost = np.zeros(self.nodes, bool)  # nodes already reported lost
         self.roster: dict[int, dict[str, Any]] = {}
+        self._endpoints: dict[int, str] = {}
 
     def ranks_of(self, node: int) -> range:
         return range(node * self.workers_per_node, min((node + 1) * self.workers_per_node, self.world_size))
 
     def read(self) -> Beats:
         raw = self.client.mget(self._keys)
-        rows = []
-        present = np.zeros(self.nodes, bool)
-        for n, value in enumerate(raw):
-            if value is not None:
-                present[n] = True
-                rows.append(decode(value)[2])
+        present = np.fromiter((value is not None for value in raw), bool, self.nodes)
         lost = self._seen & ~present & ~self._lost
         self._lost |= lost
         self._lost &= ~present  # a node whose agent is back can be lost again
         self._seen |= present
-        cols = columns_of(np.concatenate(rows) if rows else np.zeros(0, ROW), self.world_size)
+        cols = columns_of(decode_many([value for value in raw if value is not None]), self.world_size)
         if len(self.roster) < int(cols.present.sum()):
             self._read_roster()
-        return Beats(cols, np.flatnonzero(lost).tolist(), roster=self.roster, attempt=self.attempt)
+        return Beats(cols, np.flatnonzero(lost).tolist(), roster=self.roster, attempt=self.attempt,
+                     endpoints=self._endpoints)
 
     def _read_roster(self) -> None:
         for value in self.client.mget(self._roster_keys):
             if value is not None:
                 self.roster.update({int(rank): about for rank, about in json.loads(value).items()})
+        self._endpoints = {rank: about["metrics_addr"] for rank, about in self.roster.items()
+                           if about.get("metrics_addr")}

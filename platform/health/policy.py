@@ -30,7 +30,7 @@ MAX_BACKOFF_S = 60.0
 def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,
            *, now: float, failed_diagnostics: Mapping[str, str] | None = None,
            spare_nodes: int | None = None, restarts_total: int | None = None,
-           reached_step: int | None = None) -> Decision:
+           reached_step: int | None = None, can_shrink: bool = False) -> Decision:
     """What to do about `incidents`, given the restarts in `history`.
 
     `failed_diagnostics` (node id -> reason) counts as one diagnostics_failed incident per node.
@@ -39,9 +39,11 @@ def decide(incidents: Sequence[Incident], history: Sequence[RestartRecord], reco
     `restarts_total`: every restart so far, when `history` keeps only the recent ones (None:
     `history` is all of them); recovery.max_restarts counts it. `reached_step`: the newest step
     the job reached, what a fault that names no step of its own (a dead process) is placed at
-    when the backoff asks whether the job got further than its last fault.
+    when the backoff asks whether the job got further than its last fault. `can_shrink`: the job
+    is elastic and runs above a size it could shrink to (a slow node is evicted only where a spare
+    or a shrink can take its place).
     """
-    facts = _gather(incidents, history, recovery, now, failed_diagnostics or {}, spare_nodes)
+    facts = _gather(incidents, history, recovery, now, failed_diagnostics or {}, spare_nodes, can_shrink)
     used = max(len(history), restarts_total or 0)
     if not facts.incidents:
         return Decision(Action.CONTINUE, "no incidents: 0 reported, continue.")
@@ -118,13 +120,14 @@ def _restarts_without_progress(recent_restarts: Sequence[RestartRecord], fault_s
 
 
 def _gather(incidents: Sequence[Incident], history: Sequence[RestartRecord], recovery: RecoverySection,
-            now: float, failed_diagnostics: Mapping[str, str], spare_nodes: int | None) -> Facts:
+            now: float, failed_diagnostics: Mapping[str, str], spare_nodes: int | None,
+            can_shrink: bool = False) -> Facts:
     named = {i.node for i in incidents if i.kind == "diagnostics_failed"}
     extra = [Incident("diagnostics_failed", node=node, at=now, detail=why)
              for node, why in sorted(failed_diagnostics.items()) if node not in named]
     return Facts(incidents=tuple(sorted(set(incidents) | set(extra), key=_order)),
                  history=tuple(sorted(history, key=lambda r: r.at)), recovery=recovery, now=now,
-                 spare_nodes=spare_nodes)
+                 spare_nodes=spare_nodes, can_shrink=can_shrink)
 
 
 def _order(i: Incident) -> tuple:

@@ -9,6 +9,8 @@ it applies to (beat_columns.py says why).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from longrun.config.sections import HealthSection
@@ -16,6 +18,7 @@ from longrun.health.beat_columns import NONE, SLOW_CODES, BeatColumns, phase_cod
 from longrun.kinds import Phase
 
 STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
+RECENT_TIMES = 5  # recent reported step times whose median a straggler is explained by
 MIN_ADVANCES_TO_LEARN = 2  # step advances seen before the learned timeout replaces the ceiling
 NO_STEP = np.iinfo(np.int64).min  # "no step" in an integer column (never judged, never reported)
 
@@ -37,6 +40,7 @@ class RankTracks:
         # Ring of recent step durations (NaN: empty slot); only its maximum is ever used.
         self.durations = np.full((n, STEP_TIME_WINDOW), np.nan)
         self.next_slot = np.zeros(n, np.int64)
+        self.longest = np.full(n, np.nan)  # the window's maximum
         self.learned_timeout_s = np.full(n, np.nan)
         self.hang_reported_step = np.full(n, NO_STEP, np.int64)
         self.dead = np.zeros(n, bool)
@@ -44,6 +48,8 @@ class RankTracks:
         self.slow_streak = np.zeros(n, np.int64)
         self.streak_step = np.full(n, NO_STEP, np.int64)  # the last step judged for straggling
         self.straggling = np.zeros(n, bool)
+        self.recent_times = np.full((n, RECENT_TIMES), np.nan)  # ring of reported step times
+        self.next_time = np.zeros(n, np.int64)
         self.finished = np.zeros(n, bool)  # completed its work: no longer judged (its beat will expire)
 
     def reset(self, ranks: np.ndarray) -> None:
@@ -97,13 +103,34 @@ class RankTracks:
         if not len(ranks):
             return
         slot = self.next_slot[ranks]
+        evicted = self.durations[ranks, slot]
         self.durations[ranks, slot] = sample
         self.next_slot[ranks] = (slot + 1) % STEP_TIME_WINDOW
+        # The window's maximum, kept up to date: a new sample can only raise it, and only where
+        # the sample pushed out of the window was the maximum must the window be looked at again.
+        longest = np.fmax(self.longest[ranks], sample)
+        # (False where the evicted slot was empty: NaN compares False.)
+        stale = (evicted >= self.longest[ranks]) & (sample < evicted)
+        if stale.any():
+            longest[stale] = np.nanmax(self.durations[ranks[stale]], axis=1)
+        self.longest[ranks] = longest
         # Progress becomes visible only when the worker publishes and we poll, so a timeout below
         # two heartbeat intervals would flag healthy fast ranks between sightings.
         floor = max(health.hang_min_s, 2 * health.heartbeat_interval_s)
-        learned = health.hang_safety_factor * np.nanmax(self.durations[ranks], axis=1)
+        learned = health.hang_safety_factor * longest
         self.learned_timeout_s[ranks] = np.minimum(health.hang_timeout_s, np.maximum(floor, learned))
+
+    def note_step_times(self, ranks: np.ndarray, times: np.ndarray) -> None:
+        """Remember each of `ranks`' step time of a step not seen before."""
+        slot = self.next_time[ranks]
+        self.recent_times[ranks, slot] = times
+        self.next_time[ranks] = (slot + 1) % RECENT_TIMES
+
+    def typical_step_times(self) -> np.ndarray:
+        """Each rank's median recent step time (NaN where none is known): one slow step is noise."""
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: ranks with no time yet
+            return np.nanmedian(self.recent_times, axis=1)
 
     def hang_timeouts(self, ranks: np.ndarray, health: HealthSection) -> np.ndarray:
         """The hang timeout of each of `ranks`: the hard ceiling until two advances were seen or

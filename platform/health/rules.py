@@ -20,6 +20,7 @@ REPEATS_BEFORE_EVICTION = 2
 _BAD_LOSS = frozenset({"nan", "loss_spike"})
 _NODE_FAULTS = frozenset({"dead", "hang"})
 _MAX_DETAIL = 160  # characters of a detail quoted in a reason; a traceback belongs in the logs
+_MAX_RANKS = 12  # stragglers named in a reason (a slow pipeline stage is thousands at scale)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Facts:
     recovery: RecoverySection
     now: float
     spare_nodes: int | None = None  # live nodes that could replace one of the job's (None: unknown)
+    # The job is elastic (recovery.min_nodes) and runs above a size it could shrink to: it can go
+    # on without a node that has no replacement. The controller's `decide(..., can_shrink=...)`.
+    can_shrink: bool = False
 
     @property
     def recent(self) -> tuple[RestartRecord, ...]:
@@ -115,16 +119,62 @@ def _rule_exception(i: Incident, f: Facts) -> Decision:
 
 
 def _rule_straggler(i: Incident, f: Facts) -> Decision:
-    if f.recovery.evict_stragglers and i.node is not None:
-        return Decision(Action.EVICT_AND_RESTART, f"straggler: {who(i)} is slow ({clip(i.detail)}); "
-                        "evict its node and restart (recovery.evict_stragglers = true).",
-                        evict_nodes=(i.node,), cause=i)
+    """Act only on a slow node (health/stragglers.py): its ranks slow together with normal data.
+    Slow data or an uneven pipeline stage would be as slow on any node, and a rank slow alone on
+    an otherwise normal node (a suspect GPU, or rank 0's extra duties) is no case against the
+    node: those are reported, never evicted. An unattributed straggler (`blame` None: a monitor
+    that did not attribute) keeps the switch's old meaning: its node is evicted. Evicting needs
+    somewhere to go: a spare node (`spare_nodes` > 0, or unknown) or an elastic job that can
+    shrink (`can_shrink`); without either the job would stop until a node joined, which costs
+    more than a slow node. The new placement runs its self-checks before it trains."""
     slow = [x for x in f.incidents if x.kind == "straggler"]
-    ranks = ", ".join(str(x.rank) for x in slow if x.rank is not None) or "unknown"
-    why = ("recovery.evict_stragglers = false" if not f.recovery.evict_stragglers
-           else "its node is unknown, so it cannot be evicted")
-    return Decision(Action.CONTINUE, f"stragglers reported only: {len(slow)} straggler(s) (ranks {ranks}); "
-                    f"continue, since {why}.", cause=i)
+    ranks = [str(x.rank) for x in slow if x.rank is not None]
+    shown = ", ".join(ranks[:_MAX_RANKS]) + (", ..." if len(ranks) > _MAX_RANKS else "")
+    listed = f"{len(slow)} straggler(s) (ranks {shown or 'unknown'})"
+    suspects = [x for x in slow if x.blame in (None, "node") and x.node is not None]
+    nodes = sorted({x.node for x in suspects})
+    if f.recovery.evict_stragglers and nodes and (f.spare_nodes != 0 or f.can_shrink):
+        if f.spare_nodes is not None and f.spare_nodes < len(nodes) and not f.can_shrink:
+            nodes = nodes[: f.spare_nodes]  # as many as can be replaced; the rest stay reported
+        cause = next(x for x in suspects if x.node in nodes)
+        where = ("the job is elastic and can continue on fewer nodes" if f.can_shrink and not f.spare_nodes
+                 else f"{f.spare_nodes} spare node(s) can take their place" if f.spare_nodes
+                 else "Ray could not count the spare nodes just now (only a count of 0 holds an "
+                 "eviction back)")
+        return Decision(Action.EVICT_AND_RESTART, f"straggler node: {who(cause)} is slow "
+                        f"({clip(cause.detail)}), {listed}; evict {', '.join(nodes)} and restart, since "
+                        f"{where} (recovery.evict_stragglers = true; the new placement runs its self-checks "
+                        "before training).", evict_nodes=tuple(nodes), cause=cause)
+    return Decision(Action.CONTINUE, f"stragglers reported only: {listed}{_straggler_causes(slow)}; "
+                    f"continue, since {_why_not_evicted(slow, nodes, f)}.", cause=i)
+
+
+def _straggler_causes(slow: list[Incident]) -> str:
+    counts = {b: sum(1 for x in slow if x.blame == b) for b in ("node", "data", "stage", "rank")}
+    words = {"node": "on a slow node", "data": "slow from their data", "stage": "in a slow pipeline stage",
+             "rank": "slow alone with normal data"}
+    parts = [f"{n} {words[b]}" for b, n in counts.items() if n]
+    return f", {', '.join(parts)}" if parts else ""
+
+
+def _why_not_evicted(slow: list[Incident], nodes: list[str], f: Facts) -> str:
+    why = []
+    if nodes:
+        if not f.recovery.evict_stragglers:
+            why.append(f"node(s) {', '.join(nodes)} are not evicted with recovery.evict_stragglers = false")
+        else:
+            why.append(f"no spare node can take the place of {', '.join(nodes)} and the job cannot shrink "
+                       "(recovery.min_nodes), so it trains on there rather than stop until a node joins")
+    elif any(x.blame in (None, "node") for x in slow):
+        why.append("recovery.evict_stragglers = false" if not f.recovery.evict_stragglers
+                   else "its node is unknown, so it cannot be evicted")
+    if any(x.blame in ("data", "stage") for x in slow):
+        why.append("slow data or an uneven pipeline stage runs as slowly on any node, so nothing is evicted "
+                   "for it")
+    if any(x.blame == "rank" for x in slow):
+        why.append("a rank slow alone on an otherwise normal node is a suspect GPU or process, no case "
+                   "against the node")
+    return "; ".join(why) or "nothing is to be evicted"
 
 
 RULES: dict[str, Callable[[Incident, Facts], Decision]] = {

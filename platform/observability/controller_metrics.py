@@ -10,23 +10,27 @@ dashboard query returns data (a zero) before the first fault.
     port = metrics.serve("0.0.0.0", 9400, targets=lambda: target_groups(...))  # /metrics and /sd
     metrics.set_state("RUNNING"); metrics.set_attempt(2); metrics.restart("hang")
     metrics.set_goodput({"productive": 90.0, "redone": 4.0, ...})   # longrun_goodput_ratio 0.9...
+    metrics.set_stragglers(0.23, {"node": 8})  # longrun_straggler_slowdown_ratio, longrun_slow_ranks
     metrics.close()
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 
 from longrun.controller.state import JobState
 from longrun.goodput.accounting import BUCKETS
+from longrun.observability.heartbeat_series import HeartbeatSeries
 from longrun.observability.server import ObservabilityServer
 from longrun.observability.vocab import (
     CONTROLLER_LABELS,
     DIAGNOSTIC_CHECKS,
     FAULT_KINDS,
     INIT_PHASES,
+    STRAGGLER_BLAMES,
     bounded,
     fault_kind,
 )
@@ -77,14 +81,8 @@ class ControllerMetrics:
         self.nodes = Gauge("longrun_job_nodes", "Nodes the job runs on now (fewer than configured while an "
                            "elastic job is shrunk).", labels, registry=r)
         self.world_size = Gauge("longrun_job_world_size", "Ranks the job runs with now.", labels, registry=r)
-        self.heartbeat = Gauge("longrun_heartbeat_age_seconds", "Age of each rank's newest heartbeat.",
-                               (*labels, "rank", "node"), registry=r)
-        # The send time itself: `time() - ...` keeps growing at query time even when nothing
-        # updates the series any more (a dead rank's key expired, a wedged controller), which
-        # an age computed here cannot do.
-        self.heartbeat_at = Gauge("longrun_heartbeat_timestamp_seconds",
-                                  "Send time (Unix seconds) of each rank's newest heartbeat.",
-                                  (*labels, "rank", "node"), registry=r)
+        # Per rank, built at scrape time (observability/heartbeat_series.py: 16,384 ranks a poll).
+        self.heartbeats = HeartbeatSeries(job, labels, r)
         self.diag_ok = Gauge("longrun_diagnostics_ok", "Last diagnostic result per node and check (1 = ok).",
                              (*labels, "node", "check"), registry=r)
         self.diag_time = Gauge("longrun_diagnostics_duration_seconds",
@@ -102,6 +100,15 @@ class ControllerMetrics:
         self.group_init_time = Gauge("longrun_group_init_seconds",
                                      "Communication-group bring-up time of the current attempt (rank 0), "
                                      "per phase.", (*labels, "phase"), registry=r)
+        # health/stragglers.py's report of each poll: the what-if and the slow ranks' causes.
+        self.straggler_slowdown = Gauge("longrun_straggler_slowdown_ratio",
+                                        "How much slower the job steps than with every rank at the median "
+                                        "step time (0.12 = 12% slower; the slowest rank sets the pace).",
+                                        labels, registry=r)
+        self.slow_ranks = Gauge("longrun_slow_ranks", "Ranks slower than health.straggler_factor x the "
+                                "median, by cause: node (its node's ranks slow together), data (its "
+                                "micro-batches cost more), stage (an uneven pipeline stage), rank (alone).",
+                                (*labels, "blame"), registry=r)
         # Created up front: a series that exists at 0 answers queries before anything happens.
         self.state.labels(job).state(JobState.PENDING.value)
         for gauge in (self.attempt, self.step, self.planned, self.evicted, self.last_steps_lost, self.nodes,
@@ -109,6 +116,7 @@ class ControllerMetrics:
             gauge.labels(job).set(0)
         self.steps_lost.labels(job)
         self.goodput.labels(job).set(0)
+        self.set_stragglers(0.0, {})
         for bucket in BUCKETS:
             self.job_seconds.labels(job, bucket).set(0)
         for direction in RESIZE_DIRECTIONS:
@@ -155,6 +163,13 @@ class ControllerMetrics:
             self.job_seconds.labels(self.job, bucket).set(buckets.get(bucket, 0.0))
         self.goodput.labels(self.job).set(buckets.get("productive", 0.0) / wall if wall > 0 else 0.0)
 
+    def set_stragglers(self, slowdown: float, slow_ranks: dict[str, int]) -> None:
+        """The newest straggler report: its what-if slowdown and slow ranks per cause (a cause
+        absent from `slow_ranks` is 0)."""
+        self.straggler_slowdown.labels(self.job).set(slowdown)
+        for blame in STRAGGLER_BLAMES:
+            self.slow_ranks.labels(self.job, blame).set(slow_ranks.get(blame, 0))
+
     def set_evicted(self, count: int) -> None:
         self.evicted.labels(self.job).set(count)
 
@@ -171,15 +186,17 @@ class ControllerMetrics:
         self.set_size(nodes, world_size)
 
     def heartbeat_age(self, rank: int, node: str, seconds: float, sent_at: float | None = None) -> None:
-        self.heartbeat.labels(self.job, str(rank), node).set(seconds)
-        if sent_at is not None:
-            self.heartbeat_at.labels(self.job, str(rank), node).set(sent_at)
+        self.heartbeats.set(rank, node, seconds, sent_at)
+
+    def heartbeat_ages(self, ranks: np.ndarray, nodes: Sequence[str], ages: np.ndarray,
+                       sent_at: np.ndarray) -> None:
+        """Many ranks' at once (`nodes[r]`: rank r's node), without a loop over them."""
+        self.heartbeats.set_many(ranks, nodes, ages, sent_at)
 
     def forget_ranks(self) -> None:
         """Drop every rank's heartbeat series (an attempt ended): a rank that is gone must not
         keep showing its last age, and the next attempt may place it on another node."""
-        self.heartbeat.clear()
-        self.heartbeat_at.clear()
+        self.heartbeats.clear()
 
     def diagnostics(self, node: str, check: str, ok: bool, seconds: float) -> None:
         check = bounded(check, DIAGNOSTIC_CHECKS, "diagnostic check")

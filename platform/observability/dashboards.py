@@ -135,6 +135,21 @@ def overview() -> Dashboard:
                             Target(f"max by (job) ({sel('longrun_job_planned_steps')})", "{{job}} planned")),
                   width=12, description="A step counter that falls back is a restart resuming from the "
                                         "newest checkpoint."),
+            Panel("Slower than the median rank allows",
+                  (Target(f"max by (job) ({sel('longrun_straggler_slowdown_ratio')})", "{{job}}"),),
+                  unit="percentunit", width=12, thresholds=((None, "green"), (0.1, "orange"), (0.3, "red")),
+                  description="How much slower the job steps than it would with every rank at the median "
+                              "step time: a synchronous job runs at its slowest rank's pace. The panel "
+                              "beside it says why; `longrun status` names the nodes, stages and ranks."),
+            Panel("Slow ranks by cause",
+                  (Target(f"sum by (blame) ({sel('longrun_slow_ranks')})", "{{blame}}"),),
+                  unit="none", width=12, stack=True,
+                  description="Ranks slower than health.straggler_factor x the median, by what they are "
+                              "blamed on: node (its node's ranks slow together: evicted when "
+                              "recovery.evict_stragglers is on and a spare node or an elastic shrink can "
+                              "take its place), data (its micro-batches cost more in the trainer's cost "
+                              "model), stage (an uneven pipeline stage), rank (slow alone with normal data: "
+                              "a suspect GPU or process). Only node is acted on."),
             Row("Faults and recovery"),
             Panel("Restarts by cause", (Target(f"sum by (cause) (increase({sel('longrun_job_restarts_total')}"
                                                "[$__range]))", "{{cause}}", instant=True),),

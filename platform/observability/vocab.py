@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 import prometheus_client
 
+from longrun.health.stragglers import BLAMES
 from longrun.kinds import PLACEMENT_CAUSE, STEP_PHASES, FaultKind, Phase
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ STATE_KINDS = ("parameters", "gradients", "optimizer", OTHER)
 # tests/test_observability_metrics.py fails if the policy or monitor learns a kind this lacks.
 FAULT_KINDS = (*FaultKind.precedence(), PLACEMENT_CAUSE, OTHER)
 _FAULT_ALIASES = {"diagnostics": "diagnostics_failed"}
+
+# What a slow rank is blamed on (health/stragglers.py): longrun_slow_ranks{blame}.
+STRAGGLER_BLAMES = BLAMES
 
 # health.diagnostics check names.
 DIAGNOSTIC_CHECKS = ("compute", "memory", "collective", "store", "nvml", OTHER)

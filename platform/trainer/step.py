@@ -60,6 +60,10 @@ class StepWork:
     loss_tokens: int | None
     sampler_state: dict[str, Any] | None  # where the data goes on after this step
     plan: Plan | None = None  # the context-parallel plan, for metrics
+    # What this rank's share costs in the planner's model (predicted seconds, the sum over its
+    # micro-batches of its CP group's time); None without a plan: the trainer then counts the
+    # documents' FLOPs (`Trainer.last_work_cost`). The straggler attribution compares it across ranks.
+    cost: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -129,7 +133,8 @@ def plain_step(batches: list[MicroBatch]) -> StepWork:
 def planned_step(step: PlannedStep, setup: ContextParallelSetup, device) -> StepWork:
     """This rank's part of a planned global batch."""
     return StepWork([planned_work(rmb, setup, device) for rmb in step.micro_batches],
-                    loss_tokens=step.loss_tokens, sampler_state=step.sampler_state, plan=step.plan)
+                    loss_tokens=step.loss_tokens, sampler_state=step.sampler_state, plan=step.plan,
+                    cost=sum(rmb.group.predicted_s for rmb in step.micro_batches))
 
 
 def planned_work(rmb: RankMicroBatch, setup: ContextParallelSetup, device) -> MicroBatchWork:

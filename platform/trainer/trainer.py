@@ -138,6 +138,8 @@ class Trainer:
                              rank=self.parallel.rank, ranks=self.parallel.size)
         self.step = 0
         self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)
+        # What this rank's data of the last step should cost (see `_work_cost`), for its heartbeat.
+        self.last_work_cost: float | None = None
         # Steps (1-based) whose data is consumed without training (see skip_step).
         self.skip_steps: frozenset[int] = frozenset()
         # Told the number of a step just skipped: no metrics (nothing trained), but the worker
@@ -283,6 +285,16 @@ class Trainer:
             torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
         return norm
 
+    def _work_cost(self, work: StepWork, flops: float) -> float:
+        """What this rank's data of a step should cost, comparable across the job's ranks (the
+        straggler attribution, health/stragglers.py, asks whether a slow rank's data explains
+        it): under context parallelism the planner's predicted seconds for its groups; otherwise
+        the training FLOPs of its documents, which `forward_backward` counted anyway (linear in
+        tokens plus the attention's sum of squared lengths: the same shape as the CP cost model,
+        which only CP jobs calibrate). A pipeline rank's FLOPs are its stage's share of the
+        layers; the attribution compares costs within a stage, so they are kept as they are."""
+        return work.cost if work.cost is not None else flops
+
     def _next_step(self) -> tuple[StepWork, float]:
         """The next step's work and the seconds spent waiting for it. Under context
         parallelism the wait is for a planned global batch, so the phase is "plan"."""
@@ -318,6 +330,7 @@ class Trainer:
         self.step += 1
         self.feed.done(work)
         self.last_plan = work.plan
+        self.last_work_cost = self._work_cost(work, flops)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
         step_time = time.perf_counter() - start

@@ -99,9 +99,12 @@ class StepHooks:
             sizes = [g.cp for mb in plan.micro_batches for g in mb.groups if g.sequences]
             self.metrics.observe_cp_plan(sizes, plan.predicted_s, m.step_time_s)
         finite = math.isfinite(m.loss)
+        # The step's data cost in the trainer's cost model: the straggler attribution tells a
+        # rank slowed by its data from one slowed by its node (a test double may not have it).
+        cost = getattr(self.trainer, "last_work_cost", None)
         self.beat.update(step=m.step, loss=m.loss if finite else None, loss_finite=finite,
                          step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
-                         memory_bytes=m.memory_bytes)
+                         memory_bytes=m.memory_bytes, work_cost=cost)
         self._step_done(m.step, m.report())
 
     def after_skipped_step(self, step: int) -> None:
