@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from longrun import keys
 from longrun.config.sections import HealthSection
 from longrun.health.beat_columns import BeatColumns, phase_code
 from longrun.health.heartbeat import Heartbeat, agent_address
@@ -109,6 +110,30 @@ def test_a_ranks_death_is_seen_by_its_node_and_its_neighbour_lives_on(redis_serv
         for p in ranks:
             p.kill()
             p.wait()
+        agent.close()
+
+
+def test_an_ended_attempt_is_not_published_again_once_its_keys_are_gone(redis_server):
+    job, node_id = "agentjob3", "node-c"
+    agent = NodeAgent(job, node_id, redis_server.url, INTERVAL_S, timeout_s=60.0)
+    rank = _rank_process(job, node_id, 0)
+    client = redis_server.client()
+    key = keys.node_beats_key(job, 0, 0)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while client.get(key) is None and time.monotonic() < deadline:
+            time.sleep(INTERVAL_S / 4)  # until the agent published the rank (Redis offers no event)
+        assert client.get(key) is not None
+        agent.forget(0)  # what the controller does when the attempt's group stopped
+        client.delete(key, keys.node_roster_key(job, 0, 0))
+        rounds = agent.rounds
+        while agent.rounds < rounds + 3 and time.monotonic() < deadline:
+            time.sleep(INTERVAL_S / 4)
+        assert agent.rounds >= rounds + 3  # three publishing rounds later, with the rank still beating
+        assert client.get(key) is None
+    finally:
+        rank.kill()
+        rank.wait()
         agent.close()
 
 

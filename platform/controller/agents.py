@@ -57,8 +57,14 @@ class Agents:
                 started.append(self._actors[node])
         ray.get([a.ping.remote() for a in started], timeout=timeout_s)
 
-    def actor(self, node: str) -> Any:
-        return self._actors[node]
+    def forget(self, attempt: int, timeout_s: float = 10.0) -> None:
+        """Every agent stops publishing `attempt` (ended): before its keys are deleted. One that
+        does not answer is replaced at the next placement (`ensure`)."""
+        refs = [actor.forget.remote(attempt) for actor in self._actors.values()]
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("a heartbeat agent did not confirm the end of attempt %d (%s)", attempt, exc)
 
     def close(self) -> None:
         for actor in self._actors.values():

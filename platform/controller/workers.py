@@ -89,8 +89,9 @@ class RayWorkerGroup:
     """One attempt's actors, rank r in bundle r of `placement`. Stopping kills the actors;
     the placement belongs to the launcher, which keeps it for the next attempt if it can."""
 
-    def __init__(self, placement: Placement, actors: list[Any]):
-        self.placement = placement
+    def __init__(self, placement: Placement, actors: list[Any], agents: Agents | None = None,
+                 attempt: int = 0):
+        self.placement, self.agents, self.attempt = placement, agents, attempt
         self.node_ids = placement.node_ids
         self.actors = actors
         self._runs: dict[Any, int] = {}  # pending run() ref -> rank
@@ -165,6 +166,8 @@ class RayWorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self._runs.clear()
+        if self.agents is not None:  # before the controller deletes the attempt's keys
+            self.agents.forget(self.attempt)
         pings = [a.node_id.remote() for a in self.actors]  # fail once the actor is gone
         done, _ = ray.wait(pings, num_returns=len(pings), timeout=confirm_timeout_s)
         if len(done) < len(pings):
@@ -242,7 +245,7 @@ class RayLauncher:
         except LaunchFailed:
             self._abandon(actors)
             raise
-        return RayWorkerGroup(self.placement, actors)
+        return RayWorkerGroup(self.placement, actors, self.agents if cfg.node_agents else None, attempt)
 
     def _ensure_agents(self, cfg: JobConfig, redis_url: str, timeout_s: float) -> None:
         """Every node of the placement has a heartbeat agent listening before a rank beats."""

@@ -110,10 +110,12 @@ class NodeAgent:
         self._sock.settimeout(0.5)
         self._lock = threading.Lock()
         self._attempt = -1
+        self._ended = -1  # the newest attempt the controller said has ended
+        self._publishing = threading.Lock()  # a publish and a forget never interleave
         self._nodes: dict[int, NodeBeats] = {}  # node index -> its ranks (one, unless the layout changed)
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.published = self.errors = 0
+        self.published = self.errors = self.rounds = 0
         self._threads = [threading.Thread(target=self._receive, name="agent-receive", daemon=True),
                          threading.Thread(target=self._publish_loop, name="agent-publish", daemon=True)]
         for t in self._threads:
@@ -124,6 +126,15 @@ class NodeAgent:
 
     def stats(self) -> dict[str, int]:
         return {"published": self.published, "errors": self.errors, "attempt": self._attempt}
+
+    def forget(self, attempt: int) -> None:
+        """`attempt` has ended: publish nothing more of it, and ignore its ranks' late beats. The
+        controller deletes an ended attempt's keys once its group stopped; a record published
+        after that would bring a key back."""
+        with self._publishing, self._lock:
+            self._ended = max(self._ended, attempt)
+            if self._attempt <= attempt:
+                self._nodes = {}
 
     def close(self) -> None:
         self._stop.set()
@@ -148,7 +159,7 @@ class NodeAgent:
                 self.errors += 1
                 continue
             with self._lock:
-                if attempt < self._attempt:
+                if attempt < self._attempt or attempt <= self._ended:
                     continue  # a rank of an attempt the job has left
                 if attempt > self._attempt:  # a new attempt: the old one's ranks are history
                     self._attempt, self._nodes = attempt, {}
@@ -172,11 +183,15 @@ class NodeAgent:
             self._wake.wait(min(CHECK_S, max(0.0, next_at - time.monotonic())))
 
     def _publish(self, now: float) -> None:
-        with self._lock:
-            attempt = self._attempt
-            records = {n: (b.record(now, time.time()), b.roster()) for n, b in self._nodes.items()}
-        if attempt < 0:
-            return
+        self.rounds += 1  # publishing rounds, something to wait on
+        with self._publishing:
+            with self._lock:
+                attempt = self._attempt
+                records = {n: (b.record(now, time.time()), b.roster()) for n, b in self._nodes.items()}
+            if attempt >= 0 and records:
+                self._send(attempt, records)
+
+    def _send(self, attempt: int, records: dict[int, tuple[bytes, str]]) -> None:
         px = int(self.timeout_s * 1000)
         try:
             pipe = self.client.pipeline(transaction=False)
