@@ -258,3 +258,26 @@ def test_loss_history_survives_a_long_rollback():
     second = HealthMonitor(1, health, started_at=0.0, loss_history=first.loss_history)
     faults = second.observe({0: Heartbeat(rank=0, step=901, phase="forward", loss=50.0)}, 1.0)
     assert [f.kind for f in faults] == ["loss_spike"] and faults[0].step == 901
+
+
+def test_a_hang_is_timed_from_when_the_step_completed_not_from_the_poll_that_saw_it():
+    # The step-2 beat reaches the poll at t=10 (wall 1010), but the step completed at wall 1005:
+    # with the hard ceiling of 60 s, the hang is due at t=65, not t=70.
+    for dated, due in ((True, 65.5), (False, 70.5)):
+        monitor = HealthMonitor(1, HEALTH, started_at=0.0)
+        assert monitor.observe({0: beat(0, 1)}, now=0.0, wall=1000.0) == []
+        step2 = Heartbeat(rank=0, step=2, phase="forward", loss=2.0, step_time_s=None,
+                          stepped_at=1005.0 if dated else None)
+        assert monitor.observe({0: step2}, now=10.0, wall=1010.0) == []
+        assert monitor.observe({0: step2}, now=due - 1.0, wall=1000.0 + due - 1.0) == []
+        assert kinds(monitor.observe({0: step2}, now=due, wall=1000.0 + due)) == [(FaultKind.HANG, 0)]
+
+
+def test_a_completion_time_from_a_clock_far_off_moves_progress_back_by_a_heartbeat_timeout_at_most():
+    monitor = HealthMonitor(1, HEALTH, started_at=0.0)
+    assert monitor.observe({0: beat(0, 1)}, now=0.0, wall=1000.0) == []
+    skewed = Heartbeat(rank=0, step=2, phase="forward", loss=2.0, step_time_s=None, stepped_at=0.0)
+    assert monitor.observe({0: skewed}, now=10.0, wall=1010.0) == []
+    # Dated 5 s (the heartbeat timeout) before the poll, never 1,010 s: due at 10 - 5 + 60.
+    assert monitor.observe({0: skewed}, now=64.5, wall=1064.5) == []
+    assert kinds(monitor.observe({0: skewed}, now=65.5, wall=1065.5)) == [(FaultKind.HANG, 0)]

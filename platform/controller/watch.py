@@ -64,7 +64,7 @@ class Watcher:
             incidents += [Incident(kind=str(f.kind), rank=f.rank,
                                    node=group.node_of(f.rank) if f.rank is not None else None,
                                    step=f.step, at=wall, detail=f.detail, blame=f.blame)
-                          for f in monitor.observe(beats.columns, now)]
+                          for f in monitor.observe(beats.columns, now, wall)]
             if monitor.stragglers is not None and monitor.stragglers is not self._explained:
                 self._explained = monitor.stragglers  # what slow ranks cost the job, and why
                 self.listeners.stragglers(attempt, monitor.stragglers, wall)

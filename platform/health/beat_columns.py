@@ -58,6 +58,7 @@ class BeatColumns:
     resumed_from: np.ndarray  # int64
     pp_stage: np.ndarray  # int16, NONE where the job has no pipeline
     work_cost: np.ndarray  # float64, NaN unknown
+    stepped_at: np.ndarray  # float64: the publisher's wall clock when `step` completed, NaN unknown
 
     @classmethod
     def empty(cls, world_size: int) -> BeatColumns:
@@ -65,7 +66,8 @@ class BeatColumns:
                    phase=np.zeros(world_size, np.int16), loss=np.full(world_size, np.nan),
                    loss_finite=np.ones(world_size, bool), step_time_s=np.full(world_size, np.nan),
                    sent_at=np.zeros(world_size), resumed_from=np.zeros(world_size, np.int64),
-                   pp_stage=np.full(world_size, NONE, np.int16), work_cost=np.full(world_size, np.nan))
+                   pp_stage=np.full(world_size, NONE, np.int16), work_cost=np.full(world_size, np.nan),
+                   stepped_at=np.full(world_size, np.nan))
 
     @classmethod
     def from_beats(cls, beats: Mapping[int, Heartbeat | None], world_size: int) -> BeatColumns:
@@ -84,6 +86,7 @@ class BeatColumns:
             cols.resumed_from[rank] = b.resumed_from
             cols.pp_stage[rank] = NONE if b.pp_stage is None else b.pp_stage
             cols.work_cost[rank] = np.nan if b.work_cost is None else b.work_cost
+            cols.stepped_at[rank] = np.nan if b.stepped_at is None else b.stepped_at
         return cols
 
     @property
@@ -100,4 +103,5 @@ class BeatColumns:
             attempt=attempt, resumed_from=int(self.resumed_from[rank]),
             pp_stage=None if self.pp_stage[rank] == NONE else int(self.pp_stage[rank]),
             work_cost=None if np.isnan(self.work_cost[rank]) else float(self.work_cost[rank]),
+            stepped_at=None if np.isnan(self.stepped_at[rank]) else float(self.stepped_at[rank]),
             sent_at=float(self.sent_at[rank]), pid=0, host="")

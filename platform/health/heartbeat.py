@@ -42,6 +42,7 @@ class Heartbeat:
     # cost model (tokens, or modelled seconds under dynamic CP): a slow rank whose work cost is
     # as far above the median as its step time is slow because of its data, not its node.
     work_cost: float | None = None
+    stepped_at: float | None = None  # wall clock when `step` completed: a hang is timed from it
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
     sent_at: float = 0.0  # wall clock of the publisher

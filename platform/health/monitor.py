@@ -83,9 +83,12 @@ class HealthMonitor:
 
     # ---- what the controller calls -------------------------------------------------------
 
-    def observe(self, beats: Mapping[int, Heartbeat | None] | BeatColumns, now: float) -> list[Fault]:
+    def observe(self, beats: Mapping[int, Heartbeat | None] | BeatColumns, now: float,
+                wall: float | None = None) -> list[Fault]:
         """Judge one snapshot of heartbeats: columns (beat_columns.py), or rank -> heartbeat
-        with None or absent where missing."""
+        with None or absent where missing. `wall`, the caller's wall clock, lets a step's own
+        completion time (`stepped_at`) date its progress: a beat reaches the poll up to an
+        interval after the step, and a hang timed from the poll would be declared that late."""
         cols = beats if isinstance(beats, BeatColumns) else BeatColumns.from_beats(beats, self.world_size)
         self._end_outage(now)
         self._last_poll_at = now
@@ -101,7 +104,7 @@ class HealthMonitor:
         if revived.any():
             t.reset(np.flatnonzero(revived))
         live = np.flatnonzero(present & ~t.dead)
-        t.follow(cols, live, now, clock, self.health)
+        t.follow(cols, live, now, clock, self.health, wall)
         hangs = self._judge_hang(live, now, clock)
         return (dead + hangs + self._judge_stragglers(cols, live, now)
                 + self._judge_nan(cols, live, now) + self._judge_loss(cols, live, now))

@@ -3,7 +3,7 @@
 At 16,384 ranks a poll of one JSON key per rank costs the controller 100-150 ms a second
 (MGET of 16k values, then parsing them). MegaScale runs one daemon per node instead; here
 one agent per node (health/node_agent.py) hears its ranks' beats over a local socket and
-publishes ONE binary record per node per interval: a 20-byte header and 49 bytes per rank
+publishes ONE binary record per node per interval: a 20-byte header and 57 bytes per rank
 that is alive and fresh. The controller reads 2,048 records with one MGET and turns them into
 columns with numpy (`NodeBeatReader`), so a poll at 16k ranks is a few milliseconds.
 
@@ -34,7 +34,8 @@ MAGIC = b"LRN1"
 HEADER = np.dtype([("magic", "S4"), ("node", "<u4"), ("sent_at", "<f8"), ("count", "<u4")])
 ROW = np.dtype([("rank", "<u4"), ("step", "<i8"), ("resumed_from", "<i8"), ("phase", "<i2"),
                 ("pp_stage", "<i2"), ("loss_finite", "u1"), ("loss", "<f8"), ("step_time_s", "<f4"),
-                ("work_cost", "<f4"), ("sent_at", "<f8")])
+                ("work_cost", "<f4"), ("sent_at", "<f8"),
+                ("stepped_at", "<f8")])
 ROSTER_FIELDS = ("pid", "host", "metrics_addr")
 
 
@@ -70,12 +71,13 @@ def rows_of(beats: Sequence[Mapping[str, Any]]) -> np.ndarray:
     rows = np.zeros(len(beats), ROW)
     for i, b in enumerate(beats):
         loss, step_time, cost = b.get("loss"), b.get("step_time_s"), b.get("work_cost")
-        stage = b.get("pp_stage")
+        stage, stepped = b.get("pp_stage"), b.get("stepped_at")
         phase = phase_code(b.get("phase", "starting"))
         rows[i] = (b["rank"], b.get("step", 0), b.get("resumed_from", 0), phase,
                    NONE if stage is None else stage, bool(b.get("loss_finite", True)),
                    np.nan if loss is None else loss, np.nan if step_time is None else step_time,
-                   np.nan if cost is None else cost, b.get("sent_at", 0.0))
+                   np.nan if cost is None else cost, b.get("sent_at", 0.0),
+                   np.nan if stepped is None else stepped)
     return rows
 
 
@@ -95,6 +97,7 @@ def columns_of(rows: np.ndarray, world_size: int) -> BeatColumns:
     cols.step_time_s[r] = rows["step_time_s"]
     cols.work_cost[r] = rows["work_cost"]
     cols.sent_at[r] = rows["sent_at"]
+    cols.stepped_at[r] = rows["stepped_at"]
     return cols
 
 

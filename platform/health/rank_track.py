@@ -59,8 +59,11 @@ class RankTracks:
             column[ranks] = getattr(fresh, name)[0]
 
     def follow(self, cols: BeatColumns, ranks: np.ndarray, now: float, clock: float,
-               health: HealthSection) -> None:
-        """Update the progress clock and step-time window of `ranks` (indices) from their beats."""
+               health: HealthSection, wall: float | None = None) -> None:
+        """Update the progress clock and step-time window of `ranks` (indices) from their beats;
+        with `wall`, an advance is dated by the step's own completion (`stepped_at`), not by the
+        poll that saw it (never later than the poll, never more than a heartbeat timeout before:
+        clocks of other hosts may be off)."""
         step, phase = cols.step[ranks], cols.phase[ranks]
         slow_now = np.isin(phase, SLOW_CODES)
         seen = self.seen[ranks]
@@ -79,6 +82,9 @@ class RankTracks:
         moved = first | advanced | went_back
         self.step[ranks[moved]] = step[moved]
         self.progress_at[ranks[moved | left_slow]] = clock
+        if wall is not None and advanced.any():
+            lag = np.clip(wall - cols.stepped_at[ranks[advanced]], 0.0, health.heartbeat_timeout_s)
+            self.progress_at[ranks[advanced]] = clock - np.nan_to_num(lag, nan=0.0)
         # A first sighting is mid-step (no interval to measure yet); an advance starts a clean
         # interval unless it is in a phase that is not a step.
         self.interval_clean[ranks[moved | left_slow]] = advanced[moved | left_slow]

@@ -243,6 +243,7 @@ def play_fleet(spec: FleetSpec, redis_url: str, ready: Any, go: Any, start: Any)
         rows["loss_finite"] = ~(nan & (step > 0))
         rows["loss"] = np.where(rows["loss_finite"], 2.0, np.nan)
         rows["sent_at"] = now
+        rows["stepped_at"] = step_started  # when each rank's newest step completed
         # Each agent publishes on its own clock (started at its own moment): a tick publishes the
         # nodes whose turn it is, not all 2,048 at once, and a node with a new death at once.
         due = np.flatnonzero(now >= next_publish)

@@ -104,7 +104,7 @@ class StepHooks:
         cost = getattr(self.trainer, "last_work_cost", None)
         self.beat.update(step=m.step, loss=m.loss if finite else None, loss_finite=finite,
                          step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
-                         memory_bytes=m.memory_bytes, work_cost=cost)
+                         memory_bytes=m.memory_bytes, work_cost=cost, stepped_at=time.time())
         self._step_done(m.step, m.report())
 
     def after_skipped_step(self, step: int) -> None:
