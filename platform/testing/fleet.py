@@ -334,9 +334,12 @@ class Fleet:
             incidents = watcher.poll(attempt) or []  # waits in group.poll for the next interval
             took, cpu = time.perf_counter() - t0 - group.waited_s, time.process_time() - c0
             if incidents:
+                # The policy's answer to each incident on its own: the fleet never restarts, so a
+                # fault still in force (a NaN every step) would otherwise answer for the next one.
                 wall = time.time()
-                action = str(decide(incidents, [], RecoverySection(), now=wall, spare_nodes=1).action)
-                declared += [(wall, i, action) for i in incidents]
+                recovery = RecoverySection()
+                declared += [(wall, i, str(decide([i], [], recovery, now=wall, spare_nodes=1).action))
+                             for i in incidents]
                 took, cpu = time.perf_counter() - t0 - group.waited_s, time.process_time() - c0
             report.poll_ms.append(took * 1000)
             report.poll_cpu_ms.append(cpu * 1000)
