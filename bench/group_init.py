@@ -2,8 +2,9 @@
 
     unshare --net -- sh -c 'ip link set lo up && exec .venv/bin/python bench/group_init.py'
     unshare --net -- sh -c 'ip link set lo up && exec .venv/bin/python bench/group_init.py --quick'
+    unshare --net -- sh -c 'ip link set lo up && exec .venv/bin/python bench/group_init.py --only store'
 
-Three measurements, each side by side in one run (gloo on CPU, spawned processes):
+Four measurements, each side by side in one run (gloo on CPU, spawned processes):
   fresh  - from "every process has imported torch" to "every group usable" (a first
            all-gather done on each), longrun vs TCPStore + `new_group` for every group by
            every rank in the same order. Both create the same de-duplicated group set
@@ -13,10 +14,15 @@ Three measurements, each side by side in one run (gloo on CPU, spawned processes
            longrun's survivors abort their groups and re-form under a new attempt with one
            freshly spawned replacement, vs killing every process and respawning the world
            on the default path.
-  store  - simulated ranks (2 processes x 16 threads, each thread a client) issuing the key
-           pattern of world + group initialisation (per group the root publishes an id,
-           members read it, count in, and wait for the group to be complete) through the
-           same torch Store API, against RedisStore and TCPStore (libuv).
+  store  - 1,024 / 4,096 / 16,384 simulated ranks (2 processes x 16 threads, each thread a
+           client) issuing the store traffic of world + group initialisation: longrun's real
+           count-in on Redis (one script, one XREAD per rank, nothing per group) vs torch's
+           per-group pattern on TCPStore (libuv; per group the root publishes an id, members
+           read it, count in, and wait for it to be complete); also longrun's protocol on
+           TCPStore and longrun plus per-group NCCL ids; with where the time went (server
+           CPU, commands, the client processes' CPU).
+  reform-store - the store side of re-forming every group under a new attempt after one of
+           16,384 ranks died: deleting the dead attempt's keys, then every rank re-keys.
 Every world is spawned by `longrun.testing.worlds.World` (a rank's own pipe for its results, so
 SIGKILLing ranks cannot wedge the harness); the store simulation is in bench/_group_init_store.py.
 Progress goes to stderr; the last line on stdout is one JSON object.
@@ -32,7 +38,7 @@ import time
 from datetime import timedelta
 
 from _common import listen_port, logger, parser
-from _group_init_store import TIMEOUT, measure_store
+from _group_init_store import TIMEOUT, measure_reform_store, measure_store
 
 from longrun.testing.worlds import CONTEXT, World
 
@@ -222,29 +228,41 @@ def main() -> None:
     cli = parser(__doc__)
     cli.add_argument("--quick", action="store_true", help="world 8 only, store 1,024 ranks")
     cli.add_argument("--reps", type=int, default=None, help="fresh bring-up repeats (median reported)")
-    cli.add_argument("--only", choices=("fresh", "reform", "store"), action="append",
-                     help="run only these measurements (repeatable); default: all three")
+    cli.add_argument("--only", choices=("fresh", "reform", "store", "reform-store"), action="append",
+                     help="run only these measurements (repeatable); default: all four")
+    cli.add_argument("--store-ranks", default=None,
+                     help="simulated ranks of store and reform-store, comma-separated "
+                          "(default 1024,4096,16384; --quick: 1024)")
+    cli.add_argument("--store-reps", type=int, default=None,
+                     help="repeats of each store measurement, median reported (default 3; --quick: 1)")
     args = cli.parse_args()
     worlds = [8] if args.quick else [8, 16, 32]
     reform_world = 8 if args.quick else 16
     store_ranks = [1024] if args.quick else [1024, 4096, 16384]
+    if args.store_ranks:
+        store_ranks = [int(n) for n in args.store_ranks.split(",")]
+    store_reps = args.store_reps or (1 if args.quick else 3)
     reps = args.reps or (2 if args.quick else 3)
 
     from longrun.services import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         server.client().config_set("maxclients", 10000)
-        only = set(args.only or ("fresh", "reform", "store"))
+        only = set(args.only or ("fresh", "reform", "store", "reform-store"))
         fresh = [measure_fresh(w, reps, server.url) for w in worlds] if "fresh" in only else []
         reform_reps = 1 if args.quick else 3
         reform = measure_reform(reform_world, server.url, reform_reps) if "reform" in only else None
-        store = [measure_store(n, server.url) for n in store_ranks] if "store" in only else []
-    print_table(fresh, reform, store)
+        store = [measure_store(n, server.url, store_reps) for n in store_ranks] if "store" in only else []
+        reform_store = ([measure_reform_store(n, server.url, store_reps) for n in store_ranks]
+                        if "reform-store" in only else [])
+    print_table(fresh, reform, store, reform_store)
     print(json.dumps({"reform": reform, "fresh": fresh[-1] if fresh else None,
-                      "store": store[-1] if store else None, "fresh_all": fresh, "store_all": store}))
+                      "store": store[-1] if store else None,
+                      "reform_store": reform_store[-1] if reform_store else None,
+                      "fresh_all": fresh, "store_all": store, "reform_store_all": reform_store}))
 
 
-def print_table(fresh: list[dict], reform: dict | None, store: list[dict]) -> None:
+def print_table(fresh: list[dict], reform: dict | None, store: list[dict], reform_store: list[dict]) -> None:
     print(f"{'measurement':<28}{'longrun':>12}{'baseline':>12}{'ratio':>8}")
     for f in fresh:
         print(f"{'fresh world ' + str(f['world']):<28}{f['ours_s']:>11.3f}s{f['torch_default_s']:>11.3f}s"
@@ -252,12 +270,16 @@ def print_table(fresh: list[dict], reform: dict | None, store: list[dict]) -> No
     if reform:
         label = f"reform world {reform['world']}"
         print(f"{label:<28}{reform['ours_s']:>11.2f}s{reform['respawn_s']:>11.2f}s{reform['speedup']:>8.2f}")
-    for s in store:
-        print(f"{'store ' + str(s['ranks']) + ' ranks (pipelined)':<28}{s['redis_s']:>11.2f}s"
-              f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_s']:>8.2f}")
-        if s["redis_store_api_s"] is not None:
-            print(f"{'store ' + str(s['ranks']) + ' ranks (Store API)':<28}{s['redis_store_api_s']:>11.2f}s"
-                  f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_store_api_s']:>8.2f}")
+    for s in store:  # baseline: TCPStore with torch's per-group pattern
+        print(f"{'store ' + str(s['ranks']) + ' ranks':<28}{s['redis_s']:>11.2f}s"
+              f"{s['tcpstore_s']:>11.2f}s{s['ratio']:>8.2f}")
+        print(f"{'  same protocol on TCPStore':<28}{s['redis_s']:>11.2f}s"
+              f"{s['tcpstore_same_protocol_s']:>11.2f}s{s['ratio_same_protocol']:>8.2f}")
+        print(f"{'  + per-group NCCL ids':<28}{s['redis_with_group_ids_s']:>11.2f}s"
+              f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_with_group_ids_s']:>8.2f}")
+    for s in reform_store:
+        print(f"{'reform-store ' + str(s['ranks']) + ' ranks':<28}{s['redis_s']:>11.2f}s"
+              f"{s['tcpstore_s']:>11.2f}s{s['ratio']:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import commgroup_workers as w
 import pytest
+import torch.distributed as dist
 
 from longrun import keys
-from longrun.commgroup import RedisStore
+from longrun.commgroup import (
+    LayoutMismatchError,
+    NodeSpec,
+    ParallelDims,
+    RedisStore,
+    init_parallel_groups,
+    make_layout,
+)
+from longrun.commgroup.rendezvous import COMPLETE, count_in
 from longrun.commgroup.store import delete_attempt_keys
 from longrun.testing.worlds import World
 
@@ -32,10 +42,11 @@ def test_world_of_four_every_group_proves_its_membership(redis_server, redis_cli
 def test_a_late_rank_is_waited_for(redis_server, redis_client):
     with _world(w.form_and_check, redis_server.url, 0, 60) as world:
         world.start(range(3))
-        # Start the last rank only once the other three are verifiably waiting for it.
-        arrived = [keys.store_prefix(w.JOB, 0) + f"k:arrive/{r}" for r in range(3)]
+        # Start the last rank only once the other three are verifiably waiting for it (each
+        # counted in: the world's member set holds the ranks that came).
+        arrived = keys.store_prefix(w.JOB, 0) + "m:world"
         deadline = time.monotonic() + 60
-        while redis_client.exists(*arrived) != 3:
+        while redis_client.scard(arrived) != 3:
             assert time.monotonic() < deadline, "the first three ranks never checked in"
             time.sleep(0.02)  # polling Redis for the other processes' progress
         world.start([3])
@@ -57,12 +68,12 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout(redis_server, redis
 
 
 def test_a_new_attempt_ignores_a_dead_attempts_keys(redis_server, redis_client):
-    # A dead attempt 0 left its rendezvous half done: three arrivals and an open gate.
+    # A dead attempt 0 left a complete count-in behind, under another layout: read by the new
+    # attempt, it would either refuse the ranks (layout) or let NCCL's barrier pass early.
     dead = RedisStore.for_attempt(redis_server.url, w.JOB, 0)
-    for r in range(3):
-        dead.set(f"arrive/{r}", b"1")
-    dead.add("arrived", 3)
-    dead.set("all_arrived", b"1")
+    for r in range(4):
+        count_in(dead, r, 4, "ParallelDims(dp=4)")
+    assert dead.check([COMPLETE])
     with _world(w.form_and_check, redis_server.url, 1, 60) as world:
         world.start()
         out = sorted(world.collect(4))
@@ -87,3 +98,15 @@ def test_survivors_reform_in_place_with_a_replacement(redis_server, redis_client
     assert all(kind == "reformed" for _, kind, *_ in out), out
     assert all(total == 4 for _, _, total, _ in out)  # the re-formed world has all four ranks
     assert all(steps > 0 for rank, _, _, steps in out if rank != 2)  # they trained before the failure
+
+
+def test_a_rank_started_with_another_layout_is_refused_before_torch_is_touched(redis_server, redis_client):
+    # Rank 0 of attempt 5 counted in with the 2 x 2 layout; rank 1 comes with dp 4.
+    count_in(RedisStore.for_attempt(redis_server.url, w.JOB, 5), 0, 4, repr(w.world4_layout().dims))
+    other = make_layout([NodeSpec("node-a"), NodeSpec("node-b")], 2, ParallelDims(dp=4))
+    start = time.monotonic()
+    with pytest.raises(LayoutMismatchError, match=r"rank 1 was started with parallel layout .*dp=4"):
+        init_parallel_groups(redis_server.url, job=w.JOB, attempt=5, rank=1, layout=other,
+                             timeout=timedelta(seconds=60))
+    assert time.monotonic() - start < 10  # at once, not after the 60 s timeout
+    assert not dist.is_initialized()

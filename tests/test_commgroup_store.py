@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longrun import keys
+from longrun.commgroup import rendezvous
 from longrun.commgroup.store import (
     RedisStore,
     StoreConnectionError,
@@ -39,7 +40,7 @@ def _wait_for_blocked_reader(client: redis.Redis, deadline_s: float = 10.0) -> N
     """Block until some connection sits in XREAD: proof that a reader is waiting server-side."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if any(c.get("cmd") == "xread" for c in client.client_list()):
+        if any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in client.client_list()):
             return
         time.sleep(0.005)  # polling Redis for a state change of another thread
     raise AssertionError("no reader blocked in XREAD")
@@ -294,3 +295,152 @@ def test_the_lean_client_encodes_every_argument_type():
 
     assert pack(("SET", b"k\r\n", 12, "é")) == (
         b"*4\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$2\r\n12\r\n$2\r\n\xc3\xa9\r\n")
+
+
+# -- counting in (commgroup.rendezvous) and reading ahead (gloo's rendezvous) -------------------
+
+
+def _counting(store: RedisStore) -> list[tuple]:
+    """Every command `store` sends on its fast connection, recorded as it goes."""
+    sent: list[tuple] = []
+    call = store._fast.call
+    store._fast.call = lambda *args: (sent.append(args), call(*args))[1]
+    return sent
+
+
+def test_counting_in_is_one_round_trip_and_the_last_rank_completes_the_world(redis_server, redis_client):
+    stores = [RedisStore(redis_server.url, NS, timeout=timedelta(seconds=10)) for _ in range(3)]
+    rendezvous.count_in(stores[0], 0, 3, "dims-A")  # (the first call loads the script)
+    rendezvous.count_in(stores[0], 0, 3, "dims-A")  # a retried count-in counts once
+    sent = _counting(stores[1])
+    rendezvous.count_in(stores[1], 2, 3, "dims-A")
+    assert [args[0] for args in sent] == ["EVALSHA"]  # joining, the layout check: one script
+    assert rendezvous.missing_ranks(stores[0], 3) == [1]
+    with pytest.raises(StoreTimeoutError, match="world/complete"):
+        rendezvous.await_world(stores[0], timedelta(seconds=0.2))
+    rendezvous.count_in(stores[2], 1, 3, "dims-A")
+    assert rendezvous.missing_ranks(stores[0], 3) == []
+    del sent[:]
+    rendezvous.await_world(stores[1], timedelta(seconds=10))
+    assert [args[0] for args in sent] == ["XREAD"]
+    assert stores[1].get(rendezvous.COMPLETE) == b"1"  # a plain store key: the Store API sees it
+    for s in stores:
+        s.close()
+
+
+def test_a_rank_that_counts_in_early_waits_on_an_event_not_a_poll(store, redis_server, redis_client):
+    rendezvous.count_in(store, 0, 2, "dims-A")
+    waiter = RedisStore(redis_server.url, NS, timeout=timedelta(seconds=30))
+    sent = _counting(waiter)
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(rendezvous.await_world, waiter, timedelta(seconds=30))
+        _wait_for_blocked_reader(redis_client)  # parked in XREAD on the server, not sleeping
+        assert not done.done()
+        rendezvous.count_in(RedisStore(redis_server.url, NS), 1, 2, "dims-A")
+        done.result(timeout=10)
+    # One blocking read, woken by the last count-in: a poll would have sent more than one.
+    assert [args[0] for args in sent] == ["XREAD"]
+    waiter.close()
+
+
+def test_a_rank_with_another_layout_is_refused_at_once_naming_both(store, redis_server):
+    rendezvous.count_in(store, 0, 4, "ParallelDims(dp=2, cp=2)")
+    other = RedisStore(redis_server.url, NS)
+    with pytest.raises(rendezvous.LayoutMismatchError, match=r"rank 3 was started with parallel layout "
+                       r"ParallelDims\(dp=4, cp=1\).*joined first with ParallelDims\(dp=2, cp=2\)"):
+        rendezvous.count_in(other, 3, 4, "ParallelDims(dp=4, cp=1)")
+    assert rendezvous.missing_ranks(store, 4) == [1, 2, 3]  # the refused rank was not counted
+    other.close()
+
+
+def test_a_new_attempt_reads_nothing_of_the_dead_attempts_keys(redis_server, redis_client):
+    dead = RedisStore.for_attempt(redis_server.url, "reform", 0, timedelta(seconds=10))
+    for rank in range(2):  # the dead attempt was complete, and had another layout
+        rendezvous.count_in(dead, rank, 2, "dims-old")
+    dead_keys = set(redis_client.keys(keys.attempt_prefix("reform", 0) + "*"))
+    assert dead_keys
+    new = RedisStore.for_attempt(redis_server.url, "reform", 1, timedelta(seconds=10))
+    sent = _counting(new)
+    rendezvous.count_in(new, 0, 2, "dims-new")  # no mismatch with the old attempt's layout
+    with pytest.raises(StoreTimeoutError):  # not complete: the old attempt's record is not seen
+        rendezvous.await_world(new, timedelta(seconds=0.2))
+    assert rendezvous.missing_ranks(new, 2) == [1]
+    rendezvous.count_in(RedisStore.for_attempt(redis_server.url, "reform", 1), 1, 2, "dims-new")
+    rendezvous.await_world(new, timedelta(seconds=10))
+    named = [a for args in sent for a in args if isinstance(a, str | bytes)]
+    assert not [a for a in named if (a.decode() if isinstance(a, bytes) else a).startswith(
+        keys.attempt_prefix("reform", 0))]
+    assert set(redis_client.keys(keys.attempt_prefix("reform", 0) + "*")) == dead_keys  # untouched
+    delete_attempt_keys(redis_client, "reform", 0)
+    delete_attempt_keys(redis_client, "reform", 1)
+
+
+def test_reading_ahead_serves_a_groups_rendezvous_in_one_round_trip(store, redis_server):
+    peers = RedisStore(redis_server.url, NS)
+    for i in range(4):
+        peers.set(f"g/0/{i}", f"addr{i}")
+    sent = _counting(store)
+    with store.reading_ahead(4):
+        got = []
+        for i in range(4):  # gloo's pattern: wait for each peer's key, then get it
+            store.wait([f"g/0/{i}"])
+            got.append(store.get(f"g/0/{i}"))
+    assert got == [f"addr{i}".encode() for i in range(4)]
+    assert [args[0] for args in sent] == ["XREAD"]
+    peers.set("g/0/1", b"later")  # outside the block, reads ask the server again
+    assert store.get("g/0/1") == b"later"
+    peers.close()
+
+
+def test_reading_ahead_waits_only_for_the_key_asked_for(store, redis_server, redis_client):
+    other = RedisStore(redis_server.url, NS)
+    other.set("h/0/1", b"one")  # peers 0 and 2 have not written yet
+    with store.reading_ahead(3):
+        store.wait(["h/0/1"], timedelta(seconds=5))  # returns at once: only its own key counts
+        assert store.get("h/0/1") == b"one"
+        # This thread reads ahead while it waits for key 0; the peers write from another.
+        with ThreadPoolExecutor(1) as pool:
+            def peers_write() -> None:
+                _wait_for_blocked_reader(redis_client)
+                other.set("h/0/2", b"two")  # a later peer's key wakes the read: it waits on for 0
+                _wait_for_blocked_reader(redis_client)
+                other.set("h/0/0", b"zero")
+
+            writing = pool.submit(peers_write)
+            store.wait(["h/0/0"], timedelta(seconds=30))
+            writing.result(timeout=30)
+        sent = _counting(store)
+        assert store.get("h/0/0") == b"zero" and store.get("h/0/2") == b"two"
+        assert sent == []  # both were read while waiting
+        with pytest.raises(StoreTimeoutError, match="h/0/5"):  # an absent key still times out
+            store.wait(["h/0/5"], timedelta(seconds=0.2))
+    other.close()
+
+
+def test_reading_ahead_through_torchs_prefix_store(store, redis_server):
+    """gloo calls the store through PrefixStores: the keys arrive prefixed, the family holds."""
+    writer = RedisStore(redis_server.url, NS)  # held: the PrefixStore calls back into it
+    peers = dist.PrefixStore("grp", writer)
+    for i in range(3):
+        peers.set(f"0/{i}", f"a{i}")
+    sent = _counting(store)
+    prefixed = dist.PrefixStore("grp", store)
+    with store.reading_ahead(3):
+        for i in range(3):
+            prefixed.wait([f"0/{i}"])
+            assert prefixed.get(f"0/{i}") == f"a{i}".encode()
+    assert [args[0] for args in sent] == ["XREAD"]
+    writer.close()
+
+
+def test_reading_ahead_a_large_group_reads_in_bounded_windows(store, redis_server):
+    writer = RedisStore(redis_server.url, NS)
+    writer.multi_set([f"big/0/{i}" for i in range(1500)], [f"v{i}" for i in range(1500)])
+    sent = _counting(store)
+    with store.reading_ahead(1500):
+        for i in range(1500):
+            store.wait([f"big/0/{i}"])
+            assert store.get(f"big/0/{i}") == f"v{i}".encode()
+    assert [args[0] for args in sent] == ["XREAD"] * 3  # 513 keys per XREAD at most, not 1,500
+    assert max(len(args) for args in sent) <= 6 + 2 * 513
+    writer.close()

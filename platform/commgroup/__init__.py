@@ -3,7 +3,8 @@
 
 from longrun.commgroup.check import GroupCheckError, check_groups
 from longrun.commgroup.groups import InitTimings, ParallelGroups, form_groups
-from longrun.commgroup.init import RendezvousError, init_parallel_groups
+from longrun.commgroup.init import init_parallel_groups
+from longrun.commgroup.rendezvous import LayoutMismatchError, RendezvousError
 from longrun.commgroup.store import RedisStore, StoreConnectionError, StoreTimeoutError
 from longrun.commgroup.topology import (
     GROUP_KINDS,
@@ -19,6 +20,7 @@ __all__ = [
     "GROUP_KINDS",
     "GroupCheckError",
     "InitTimings",
+    "LayoutMismatchError",
     "NodeSpec",
     "ParallelDims",
     "ParallelGroups",

@@ -19,6 +19,7 @@ created in order.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -140,10 +141,12 @@ class ParallelGroups:
 
 def create_groups(layout: RankLayout, rank: int, world: dist.ProcessGroup, *, timeout: timedelta,
                   pg_options: Any = None, known: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
+                  store: RedisStore | None = None,
                   ) -> tuple[dict[str, dist.ProcessGroup], dict[str, list[int]], dict[str, float]]:
     """This rank's group of every name, in the canonical order: (groups by name, members by
     name, seconds per communicator created). `known`: communicators of this world by member
-    ranks, reused and added to."""
+    ranks, reused and added to. `store`: the world's RedisStore, whose read-ahead then serves
+    each group's gloo rendezvous (every peer's key in one XREAD instead of 2 round trips each)."""
     by_list = known if known is not None else {}
     by_list[tuple(range(layout.world_size))] = world
     named: dict[str, dist.ProcessGroup] = {}
@@ -153,8 +156,9 @@ def create_groups(layout: RankLayout, rank: int, world: dist.ProcessGroup, *, ti
         key = tuple(members)
         if key not in by_list:
             start = time.perf_counter()
-            by_list[key] = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
-                                          pg_options=pg_options, group_desc=name)
+            with store.reading_ahead(len(members)) if store is not None else contextlib.nullcontext():
+                by_list[key] = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
+                                              pg_options=pg_options, group_desc=name)
             seconds[name] = time.perf_counter() - start
         named[name] = by_list[key]
         ranks[name] = members

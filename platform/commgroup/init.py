@@ -6,12 +6,13 @@
     groups.teardown()   # abort, never a hanging destroy; then re-form under attempt 4
 
 1. Connect to the attempt's `RedisStore` (a fresh namespace per attempt: no stale keys).
-2. Arrival: every rank checks in (one pipelined write); the last one to arrive opens the
-   gate. A rank that never comes is named in the error, instead of surfacing as a gloo or
-   NCCL timeout on some opaque key.
-3. `init_process_group` on that store.
+2. Count in (`commgroup.rendezvous`): one round trip joins the attempt and checks that all
+   ranks share one layout; nothing per group (a complete world means complete groups). A
+   rank that never comes is named in the error, instead of surfacing as a gloo or NCCL
+   timeout on some opaque key.
+3. `init_process_group` on that store (gloo's per-peer reads batched: `reading_ahead`).
 4. Every group this rank belongs to (`commgroup.groups`): barrier-free, members only, in one
-   canonical global order.
+   canonical global order, gloo's reads batched the same way.
 
 On GPU the world is initialised eagerly with `device_id`, which lets torch derive each new
 NCCL communicator with ncclCommSplit from the world's instead of a fresh bootstrap, and the
@@ -28,24 +29,13 @@ import torch
 import torch.distributed as dist
 
 from longrun.commgroup.groups import InitTimings, ParallelGroups, create_groups
+from longrun.commgroup.rendezvous import RendezvousError, await_world, count_in, missing_ranks
 from longrun.commgroup.store import RedisStore, StoreTimeoutError
 from longrun.commgroup.topology import RankLayout
 
 __all__ = ["InitTimings", "ParallelGroups", "RendezvousError", "init_parallel_groups"]
 
 log = logging.getLogger(__name__)
-
-
-class RendezvousError(RuntimeError):
-    """The world could not be formed; the message names the ranks that are missing."""
-
-    def __init__(self, message: str, missing_ranks: list[int] | None = None):
-        super().__init__(message)
-        self.missing_ranks = missing_ranks or []
-
-
-def _missing_ranks(store: RedisStore, world_size: int) -> list[int]:
-    return [r for r in range(world_size) if not store.check([f"arrive/{r}"])]
 
 
 def _rendezvous_error(store: RedisStore, missing: list[int], world_size: int,
@@ -59,14 +49,12 @@ def _rendezvous_error(store: RedisStore, missing: list[int], world_size: int,
 
 
 def _await_everyone(store: RedisStore, world_size: int, timeout: timedelta) -> None:
-    """A world barrier, used only before NCCL's world init: a rank missing there would hang
-    inside NCCL rather than time out in the store."""
-    if store.add("arrived", 1) == world_size:
-        store.set("all_arrived", b"1")
+    """A world barrier, used only before NCCL's world init (a rank missing there would hang
+    inside NCCL rather than time out in the store): one XREAD on the count-in's record."""
     try:
-        store.wait(["all_arrived"], timeout)
+        await_world(store, timeout)
     except StoreTimeoutError:
-        raise _rendezvous_error(store, _missing_ranks(store, world_size), world_size, timeout) from None
+        raise _rendezvous_error(store, missing_ranks(store, world_size), world_size, timeout) from None
 
 
 def _world_options(backend: str, device: torch.device | None) -> tuple[dict, object]:
@@ -84,10 +72,11 @@ def _init_world(store: RedisStore, backend: str, rank: int, world_size: int, tim
                 **kwargs) -> dist.ProcessGroup:
     """`init_process_group` on the attempt's store; a rank that never came is named."""
     try:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, **kwargs)
+        with store.reading_ahead(world_size):
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout, **kwargs)
     except Exception as exc:
-        missing = _missing_ranks(store, world_size)
+        missing = missing_ranks(store, world_size)
         if dist.is_initialized():
             dist.destroy_process_group()
         if missing:
@@ -121,11 +110,11 @@ def init_parallel_groups(
     timings.store_connect_s = time.perf_counter() - start
 
     t = time.perf_counter()
-    # Every rank records that it arrived, so a rank that never comes can be named. Only NCCL
-    # waits for everyone here; gloo's rendezvous runs entirely through this store, so a
-    # missing rank surfaces as a store timeout inside init_process_group, named there, and
-    # the world pays no extra global barrier.
-    store.set(f"arrive/{rank}", b"1")
+    # Every rank counts in (one round trip), so a rank that never comes can be named. Only
+    # NCCL waits for everyone here; gloo's rendezvous runs entirely through this store, so a
+    # missing rank surfaces as a store timeout inside init_process_group, named there, and the
+    # world pays no extra global barrier.
+    count_in(store, rank, world_size, repr(layout.dims))
     if backend == "nccl":
         _await_everyone(store, world_size, timeout)
     timings.arrival_s = time.perf_counter() - t
@@ -135,7 +124,7 @@ def init_parallel_groups(
     timings.world_init_s = time.perf_counter() - t
 
     named, ranks, timings.groups_s = create_groups(layout, rank, world, timeout=timeout,
-                                                   pg_options=group_options)
+                                                   pg_options=group_options, store=store)
     timings.total_s = time.perf_counter() - start
     log.info("rank %d attempt %d: world of %d up (%s)", rank, attempt, world_size, timings.summary())
     return ParallelGroups(rank=rank, attempt=attempt, layout=layout, store=store, world=world,

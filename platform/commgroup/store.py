@@ -13,13 +13,24 @@ stream: it returns the current value at once when K exists and otherwise blocks 
 until K is written - one round trip either way, like TCPStore's get, with no race, no
 polling storm and no keyspace-notification config, on any Redis >= 5. Every other operation
 is one round trip too (a script, a pipeline, or MGET/MSET).
+
+Two additions serve bring-up at scale (see `commgroup.rendezvous`): `read_values` waits for
+many keys with one XREAD and returns their values, and `reading_ahead(count)` lets gloo's
+rendezvous (each member `set`s `<prefix><rank>` and then `wait`s and `get`s every peer's key,
+2n round trips per group) read all the peers' keys present at its first `wait` in that one
+XREAD and answer the rest from what it read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import NamedTuple
 
 import redis
 import torch.distributed as dist
@@ -68,6 +79,24 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'v', redis.call('GET', KEYS[1]))
 """
 
 
+class LuaScript(NamedTuple):
+    """A Lua script and its SHA1, for `RedisStore.run_script`."""
+
+    script: str
+    sha: str
+
+
+def lua(script: str) -> LuaScript:
+    return LuaScript(script, hashlib.sha1(script.encode()).hexdigest())
+
+
+# A key of the form "<prefix><index>": what gloo's full-mesh rendezvous sets and reads per peer.
+_INDEXED = re.compile(r"^(.*?)(\d+)$", re.DOTALL)
+# At most this many keys are read ahead by one XREAD (from the awaited index on, the order in
+# which gloo waits), so a world-sized group never sends one enormous command.
+_AHEAD_WINDOW = 512
+
+
 class StoreTimeoutError(dist.DistStoreError):
     """Waited `timeout` for keys that never appeared; `missing` names them."""
 
@@ -106,6 +135,7 @@ class RedisStore(dist.Store):
         self._set = self._client.register_script(_SET)
         self._add = self._client.register_script(_ADD)
         self._append = self._client.register_script(_APPEND)
+        self._ahead = threading.local()  # reading_ahead's state, per calling thread
         try:
             self._client.ping()
         except redis.AuthenticationError as exc:
@@ -142,6 +172,17 @@ class RedisStore(dist.Store):
             self._fast.call("SCRIPT", "LOAD", script.script)
             return self._fast.call("EVALSHA", script.sha, 2, self._k(key), self._s(key), *args)
 
+    def run_script(self, script, keys_: Sequence[str], args: Sequence) -> object:
+        """EVALSHA of a script (`lua(...)`, or one registered with redis-py) with raw Redis
+        keys, on the fast connection; one round trip (two on a server that lost its scripts)."""
+        try:
+            return self._fast.call("EVALSHA", script.sha, len(keys_), *keys_, *args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            self._fast.call("SCRIPT", "LOAD", script.script)
+            return self._fast.call("EVALSHA", script.sha, len(keys_), *keys_, *args)
+
     def _xread(self, streams: list[str], block_ms: int):
         """XREAD COUNT 1 BLOCK from 0-0: [(stream name, value)] for the streams with an entry."""
         reply = self._fast.call("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", *streams,
@@ -154,6 +195,9 @@ class RedisStore(dist.Store):
         self._script(self._set, key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
+        read = getattr(self._ahead, "read", None)
+        if read is not None and key in read:
+            return read.pop(key)  # read ahead by the `wait` before it (see `reading_ahead`)
         timeout = self.timeout
         deadline = time.monotonic() + timeout.total_seconds()
         stream = self._s(key)
@@ -187,6 +231,12 @@ class RedisStore(dist.Store):
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout.total_seconds()
         missing = list(dict.fromkeys(keys_))
+        read = getattr(self._ahead, "read", None)
+        if read is not None:
+            missing = [k for k in missing if k not in read]
+            if len(missing) == 1 and _INDEXED.match(missing[0]):
+                self._read_ahead(missing[0], read, timeout, deadline)
+                return
         while missing:
             remaining = deadline - time.monotonic()
             block_ms = max(1, int(min(max(remaining, 0.001), _BLOCK_CHUNK_S) * 1000))
@@ -196,6 +246,58 @@ class RedisStore(dist.Store):
             missing = [k for k in missing if self._s(k) not in written]
             if missing and remaining <= 0:
                 raise StoreTimeoutError(self.namespace, missing, timeout)
+
+    def read_values(self, keys_: Sequence[str], timeout: timedelta | None = None) -> dict[str, bytes]:
+        """Wait until every key exists and return {key: value}: one XREAD when they all exist
+        already (a blocking multi-get; each XREAD returns every key then present)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        values: dict[str, bytes] = {}
+        missing = list(dict.fromkeys(keys_))
+        by_stream = {self._s(k): k for k in missing}
+        while missing:
+            remaining = deadline - time.monotonic()
+            block_ms = max(1, int(min(max(remaining, 0.001), _BLOCK_CHUNK_S) * 1000))
+            for name, value in self._xread([self._s(k) for k in missing], block_ms):
+                values[by_stream[name]] = value
+            missing = [k for k in missing if k not in values]
+            if missing and remaining <= 0:
+                raise StoreTimeoutError(self.namespace, missing, timeout)
+        return values
+
+    @contextmanager
+    def reading_ahead(self, count: int) -> Iterator[None]:
+        """Within this block (on this thread), a `wait` for one key `<prefix><i>` also reads
+        every present key of `<prefix><i+1>` .. `<prefix><count-1>` (the next 512 at most:
+        gloo waits for its peers in rank order) in the same XREAD, and later
+        `wait`s and `get`s of those keys are answered from what was read. This is the shape of
+        gloo's rendezvous for a group of `count` members; a wait returns as soon as its own
+        key is there (it never waits for the others), so any other caller is served as before.
+        Values are taken once (a key's second `get` asks the server), and forgotten on exit."""
+        outer = getattr(self._ahead, "read", None), getattr(self._ahead, "count", 0)
+        self._ahead.read, self._ahead.count = {}, int(count)
+        try:
+            yield
+        finally:
+            self._ahead.read, self._ahead.count = outer
+
+    def _read_ahead(self, key: str, read: dict[str, bytes], timeout: timedelta, deadline: float) -> None:
+        prefix, index = _INDEXED.match(key).groups()
+        first = int(index)
+        ahead = range(first + 1, min(self._ahead.count, first + 1 + _AHEAD_WINDOW))
+        family = [key] + [f"{prefix}{i}" for i in ahead if f"{prefix}{i}" not in read]
+        by_stream = {self._s(k): k for k in family}
+        while key not in read:
+            remaining = deadline - time.monotonic()
+            block_ms = max(1, int(min(max(remaining, 0.001), _BLOCK_CHUNK_S) * 1000))
+            # From 0-0: every family key present now comes back at once; when the awaited one
+            # is missing this blocks until some family key is written (each pass takes at
+            # least one new key, so this never spins).
+            wanted = [self._s(k) for k in family if k not in read]
+            for name, value in self._xread(wanted, block_ms):
+                read[by_stream[name]] = value
+            if key not in read and remaining <= 0:
+                raise StoreTimeoutError(self.namespace, [key], timeout)
 
     def delete_key(self, key: str) -> bool:
         with self._client.pipeline(transaction=True) as pipe:
