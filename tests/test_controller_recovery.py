@@ -275,6 +275,8 @@ def chaos_faults(seed: int, count: int) -> list[dict]:
     return faults
 
 
+@pytest.mark.slow  # the suite's time: the default run's bounded soak (tests/test_soak.py) injects
+# faults at random moments and compares bitwise; each kind here has its own test above
 def test_chaos_random_faults_until_the_end_lose_nothing(cluster, reference, redis_server, redis_client,
                                                         tmp_path):
     """A bounded chaos run (3 faults; LONGRUN_CHAOS_FAULTS for more, LONGRUN_CHAOS_SEED to

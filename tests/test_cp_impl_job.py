@@ -62,8 +62,11 @@ def ring_run(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-# USP runs Ulysses inside the ring, so it stays in the default run; Ulysses alone is `slow`.
-@pytest.mark.parametrize("impl", [pytest.param("ulysses", marks=pytest.mark.slow), "usp"])
+# Both are `slow` (the suite's time): the default run checks Ulysses and USP attention and a
+# whole training step against the ring's in tests/test_context_parallel.py, and the groups a USP
+# worker forms in tests/test_worker_setup.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["ulysses", "usp"])
 def test_a_ulysses_or_usp_job_trains_like_the_ring_job(impl, ring_run, tmp_path):
     ring_losses, ring_weights = ring_run
     losses, weights = run_job(impl, tmp_path)

@@ -209,6 +209,7 @@ def _busy_view(node_id: str) -> bool:
     return any(n.node_id == node_id and n.available.get("CPU", 0.0) < 1.0 for n in alive_nodes())
 
 
+@pytest.mark.slow  # the suite's time: growing back is in the default run above
 def test_a_node_that_comes_back_busy_is_not_grown_onto_and_the_job_finishes_on_fewer(
         cluster, redis_server, redis_client, tmp_path):
     import ray

@@ -62,10 +62,11 @@ def test_the_example_layout_is_runnable():
 
 
 @pytest.mark.timeout(900)
-# The example's scaled shape (8 ranks, dynamic CP with USP) is the long one: `slow`; FSDP 2 x TP 2
-# stays in the default run as the bounded version of the same SIGKILL-and-compare check.
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "fsdp2xtp2" else pytest.mark.slow)
-                                    for name in LAYOUTS])
+# Both layouts are `slow` (the suite's time): the default run's bounded version of this
+# SIGKILL-and-compare check on a sharded layout is tests/test_pipeline_job.py's pp2 x fsdp2 job,
+# and TP's restore is checked bitwise by tests/test_resharding.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_sharded_job_recovers_from_a_sigkill_bitwise(layout, cluster, redis_server, redis_client, tmp_path):
     reference = job(f"ref-{layout}", layout, tmp_path / "ref")
     summary = Controller(reference, redis_server.url).run()
