@@ -146,6 +146,28 @@ def test_every_named_group_partitions_the_world_in_one_canonical_order(layout):
 
 @settings(max_examples=150, deadline=None)
 @given(layouts())
+def test_every_rank_creates_its_communicators_under_the_same_names_in_the_same_order(layout):
+    # On NCCL each new group is a split of the world's communicator that every rank makes,
+    # matched by position: the k-th communicator of every rank must be the same name's group.
+    plans = [layout.communicators_of(rank) for rank in range(layout.world_size)]
+    names = [n for n, _ in plans[0]]
+    for rank, plan in enumerate(plans):
+        assert [n for n, _ in plan] == names, rank
+        mine = dict(layout.groups_of(rank))
+        assert all(mine[n] == members for n, members in plan)
+        # Every group of this rank is the world or one of these communicators, none twice.
+        lists = [tuple(m) for _, m in plan]
+        assert len(set(lists)) == len(lists) and tuple(range(layout.world_size)) not in lists
+        assert {tuple(m) for m in mine.values()} <= set(lists) | {tuple(range(layout.world_size))}
+    # Each position is one group name's partition of the world: every rank of the world in one
+    # of its groups, so a split's colours are complete.
+    for k, name in enumerate(names):
+        covered = sorted(r for g in {tuple(p[k][1]) for p in plans} for r in g)
+        assert covered == list(range(layout.world_size)), name
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
 def test_usp_sub_groups_split_each_cp_group_into_ulysses_blocks_and_rings(layout):
     d = layout.dims
     for size in d.cp_sizes:

@@ -12,9 +12,12 @@ barrier over every rank. Groups are created in one canonical global order (the l
 the world, so the lowest-numbered group not yet complete always has all its members working
 on it. Rank lists shared by several names (tp of size 1 and cp of size 1, dp_cp and the
 largest dynamic-CP group) become one communicator; a group spanning the world reuses the
-world's. On gloo, creating groups from several threads was measured slower (its rendezvous
-calls back into Python for every store operation, contending for the GIL), so they are
-created in order.
+world's. That de-duplication is by rank list, yet it comes out the same on every rank
+(`RankLayout.communicators_of`, property-tested): on NCCL, with the world bound to its device,
+each new group is an ncclCommSplit of the world's communicator that every rank calls, matched by
+position, so every rank's k-th new communicator must be the same name's. On gloo, creating
+groups from several threads was measured slower (its rendezvous calls back into Python for
+every store operation, contending for the GIL), so they are created in order.
 """
 
 from __future__ import annotations
@@ -152,15 +155,16 @@ def create_groups(layout: RankLayout, rank: int, world: dist.ProcessGroup, *, ti
     named: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
     seconds: dict[str, float] = {}
-    for name, members in layout.groups_of(rank):
+    for name, members in layout.communicators_of(rank):  # the same names in the same order on every rank
         key = tuple(members)
-        if key not in by_list:
+        if key not in by_list:  # (formed on this world before: a re-formed world's `known`)
             start = time.perf_counter()
             with store.reading_ahead(len(members)) if store is not None else contextlib.nullcontext():
                 by_list[key] = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
                                               pg_options=pg_options, group_desc=name)
             seconds[name] = time.perf_counter() - start
-        named[name] = by_list[key]
+    for name, members in layout.groups_of(rank):
+        named[name] = by_list[tuple(members)]
         ranks[name] = members
     return named, ranks, seconds
 

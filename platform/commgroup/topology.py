@@ -163,6 +163,22 @@ class RankLayout:
         self._check_rank(rank)
         return [(name, groups[self._membership[name][rank]]) for name, groups in self.named_groups]
 
+    def communicators_of(self, rank: int) -> list[tuple[str, list[int]]]:
+        """The part of `groups_of(rank)` that needs a communicator of its own, in order: a
+        rank list met before under another name shares that one, and a world-sized list is the
+        world. Equal in names on every rank (tests/test_topology.py), which is what NCCL needs:
+        with the world bound to a device, each new group is an ncclCommSplit of the world's
+        communicator, a call every rank of the world makes, matched by its position in each
+        rank's sequence; members-only creation stays correct only while the k-th call of every
+        rank is the same group name."""
+        seen = {tuple(range(self.world_size))}
+        out = []
+        for name, members in self.groups_of(rank):
+            if tuple(members) not in seen:
+                seen.add(tuple(members))
+                out.append((name, members))
+        return out
+
     def shard_index(self, rank: int) -> int:
         """Which piece of the weights `rank` holds (0 .. dims.shards - 1): its FSDP shard and
         TP shard; equal on every rank of its `replicate` group."""
