@@ -23,6 +23,7 @@ Progress on stderr; the last line on stdout is one JSON object for the largest s
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 
@@ -87,10 +88,18 @@ def main() -> None:
             summary["baseline_poll_ms_p50"] = round(statistics.median(base), 2)
             summary["baseline_poll_ms_p99"] = round(max(base), 2)
             summary["poll_speedup_p50"] = round(summary["baseline_poll_ms_p50"] / summary["poll_ms_p50"], 1)
-            summary["hang_timeout_s"] = spec.hang_min_s
+            # The hung rank's own timeout, as the monitor applied it: learned per rank (5x its
+            # slowest recent interval between sightings), never under the floor `hang_min_s`.
+            summary["hang_min_s"] = spec.hang_min_s
+            hang = next((d for d in report.detections if d.kind == "hang"), None)
+            applied = re.search(r"timeout ([0-9.]+) s", (hang.detail or "") if hang else "")
+            summary["hang_timeout_s"] = float(applied.group(1)) if applied else None
+            if applied and hang.latency_s is not None:
+                summary["detect_hang_over_timeout_s"] = round(hang.latency_s - summary["hang_timeout_s"], 3)
             for d in report.detections:
                 log(f"  {d.kind:<9} rank {d.rank:>5}: declared as {d.declared_kind} after "
-                    f"{'never' if d.latency_s is None else f'{d.latency_s:.2f} s'} -> {d.action}")
+                    f"{'never' if d.latency_s is None else f'{d.latency_s:.2f} s'} -> {d.action}"
+                    + (f" ({d.detail})" if d.kind == "hang" and d.detail else ""))
             for alarm in report.false_alarms[:5]:
                 log(f"  false alarm: {alarm}")
             log(f"{ranks} ranks: poll p50 {summary['poll_ms_p50']} ms / p99 {summary['poll_ms_p99']} ms "
@@ -99,9 +108,9 @@ def main() -> None:
                 f"{summary['redis_mib']} MiB, {summary['redis_commands_per_s']:.0f} commands/s")
             results.append(summary)
     columns = ("ranks", "poll_ms_p50", "poll_ms_p99", "poll_cpu_ms_p50", "poll_cpu_ms_p99",
-               "baseline_poll_ms_p50",
-               "controller_cpu_share", "detect_dead_s", "detect_hang_s", "hang_timeout_s", "detect_nan_s",
-               "detect_straggler_s", "detect_node_s", "redis_mib", "redis_commands_per_s", "false_alarms")
+               "baseline_poll_ms_p50", "controller_cpu_share", "detect_dead_s", "detect_hang_s",
+               "hang_timeout_s", "detect_hang_over_timeout_s", "detect_nan_s", "detect_straggler_s",
+               "detect_node_s", "redis_mib", "redis_commands_per_s", "false_alarms")
     print("| " + " | ".join(columns) + " |", flush=True)
     for s in results:
         print("| " + " | ".join(str(s.get(c)) for c in columns) + " |", flush=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -40,6 +42,7 @@ def test_a_multi_process_bench_runs_its_world_end_to_end():
     assert result["world"] == 2 and result["params"] > 0 and result["longrun_step_s"] > 0
 
 
+@pytest.mark.slow  # the suite's time: restoring at another layout is tests/test_resharding.py's
 def test_the_resharding_bench_saves_at_fsdp4_and_restores_at_fsdp2():
     # bench/reshard.py: a world of 4 saves (longrun, DCP async and sync), a world of 2 restores
     # (longrun, dcp.load of both directories) and checks every restore bit for bit; one rep.
@@ -84,7 +87,58 @@ def test_the_goodput_model_scales_the_llama3_failure_rate_and_cites_its_inputs()
     assert "| cold-restart-s | 9 s (overridden) |" in doubled.stdout  # a replaced measurement says so
 
 
+def test_the_placement_scale_bench_places_starts_fits_and_cleans_up():
+    # bench/placement_scale.py --quick on its own Ray cluster (the head as its one simulated
+    # node): groups of 8 and 16 bundles placed as placement.py does, one group per node, and by
+    # longrun's place(); 4 and 8 actors started, one replaced; every series fitted and projected
+    # to 16,384 workers. (Run inside a private network and /tmp namespace like every Ray test.)
+    out = _run("--quick", script="placement_scale.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key, sizes in (("pg_one_s_at", {"8", "16"}), ("pg_per_node_s_at", {"8", "16"}),
+                       ("place_s_at", {"8", "16"}), ("actors_s_at", {"4", "8"})):
+        assert set(result[key]) == sizes, (key, result[key])
+        assert all(v > 0 for v in result[key].values()), (key, result[key])
+    for name in ("pg_one", "pg_per_node", "place", "actors"):
+        fitted = result["fit"][name]
+        assert {"linear", "power", "power_top", "exponent", "exponent_top", "projected_16k"} <= set(fitted), (
+            name, fitted)
+        assert math.isfinite(fitted["exponent"]) and fitted["projected_16k"] > 0, (name, fitted)
+    assert result["projected_16k_place_s"] > 0 and result["projected_16k_start_s"] > 0
+    assert result["projected_16k_start_s"] >= result["one_node_start_s"] > 0
+    assert result["replace_one_at"] == 8 and result["replace_one_s"] > 0
+    assert result["replace_node_pg_one_s"] > 0 and result["replace_node_pg_per_node_s"] > 0
+    assert result["actors_pss_gib_at"]["8"] > result["actors_pss_gib_at"]["4"] > 0  # workers were measured
+    # Nothing it started outlives it (the GCS and the raylet name its temp dir on their command line).
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if result["cluster_temp_dir"] in " ".join(proc.info["cmdline"] or []):
+            left.append(proc.pid)
+    assert not left, left
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
+@pytest.mark.slow  # two simulated worlds per kind, spawned: about a minute on 2 cores
+def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_ratio():
+    # bench/group_init.py's store and reform-store measurements at 64 simulated ranks, one rep.
+    out = _run("--only", "store", "--only", "reform-store", "--store-ranks", "64", "--store-reps", "1",
+               script="group_init.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    store = result["store"]
+    assert store["ranks"] == 64 and store["redis_s"] > 0 and store["tcpstore_s"] > 0
+    assert store["ratio"] == pytest.approx(store["tcpstore_s"] / store["redis_s"], rel=0.01)
+    # The real count-in: per rank one script and one XREAD, plus torch's world id (one set, a
+    # read per rank); nothing per group. (On the fresh server each script's first EVALSHA is
+    # refused, NOSCRIPT, and sent again after one SCRIPT LOAD.)
+    commands = store["where"]["redis"]["commands"]
+    loads = commands.get("script|load", {"calls": 0})["calls"]
+    assert commands["evalsha"]["calls"] - loads == 64 + 1 and commands["xread"]["calls"] == 2 * 64
+    reform = result["reform_store"]
+    assert reform["ranks"] == 64 and reform["rekey_s"] > 0 and reform["tcpstore_s"] > 0
+    assert reform["redis_s"] == pytest.approx(reform["delete_old_attempt_s"] + reform["rekey_s"], abs=0.002)
+
+
 def test_mfu_benchmark_skips_without_a_gpu():
     out = _run()
     assert out.returncode == 0, out.stderr

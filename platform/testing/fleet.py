@@ -137,6 +137,7 @@ class Detection:
     declared_node: str | None = None
     action: str | None = None  # what the policy decided on it
     blame: str | None = None  # a straggler's attributed cause (node, data, stage, rank)
+    detail: str | None = None  # the monitor's words (a hang's: the timeout it applied, and why)
 
     @property
     def latency_s(self) -> float | None:
@@ -369,7 +370,7 @@ class Fleet:
                 if incident.rank == plan.rank or (plan.kind in ("node", "slow_node") and same_node) or (
                         plan.kind == "nan" and incident.step is not None):
                     d.declared_at, d.declared_kind, d.action = wall, incident.kind, action
-                    d.blame = incident.blame
+                    d.blame, d.detail = incident.blame, incident.detail
                     d.declared_rank, d.declared_node = incident.rank, incident.node
                     used.add(i)
                     break
