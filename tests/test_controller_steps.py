@@ -307,6 +307,33 @@ def test_recovery_is_measured_to_the_first_step_of_the_new_attempt(rig, redis_cl
     assert launcher.warmed == [1]
 
 
+def test_an_attempt_that_finishes_before_a_poll_sees_its_first_step_still_reports_its_recovery(
+        rig, redis_client):
+    # A short remainder after a fault: the ranks restore, train to the end and finish between two
+    # polls (with node agents a finished rank leaves its node's record at once), so no heartbeat
+    # ever shows a step past the restore. The recovery is reported from the ranks' summaries.
+    make, launcher, *_ = rig
+    cfg = job("steps-recovered-at-end")
+    c = make(cfg)
+    drive_to_running(c)
+    launcher.groups[0].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
+    c.step()
+    for _ in range(4):
+        c.step()
+    assert c.machine.state is JobState.RUNNING and c.attempt_number == 1
+    beat_all(redis_client, cfg, 1, step=8, resumed_from=8, phase="restore")
+    c.step()
+    done = {"step": 10, "loss": 2.0, "resumed_from": 8, "preempted": False}
+    launcher.groups[1].script.append([RankEnded(r, summary={"rank": r} | done) for r in range(4)])
+    c.step()
+    recovered = [e for e in job_status(redis_client, cfg.job.name, 50)["events"] if e["type"] == "recovered"]
+    assert len(recovered) == 1, recovered
+    assert (recovered[0]["attempt"], recovered[0]["resumed_from"], recovered[0]["at_end"]) == (1, 8, True)
+    assert recovered[0]["seconds"] >= 0
+    assert "before a heartbeat showed its first step" in recovered[0]["reason"]
+    assert launcher.warmed == []  # no spares for an attempt that has ended
+
+
 def test_a_new_controller_continues_an_unfinished_job(rig, redis_client):
     make, launcher, *_ = rig
     cfg = job("steps-resume")

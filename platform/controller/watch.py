@@ -72,7 +72,10 @@ class Watcher:
         decided = attempt.settle(incidents, now, self.cfg.health.heartbeat_timeout_s)
         if decided is None or decided:
             return decided
-        return None if group.running() else []
+        if group.running():
+            return None
+        self._recovered_at_end(attempt)
+        return []
 
     def _ended(self, attempt: Attempt, ended: RankEnded, wall: float) -> Incident:
         return Incident(kind=ended.kind, rank=ended.rank, node=attempt.group.node_of(ended.rank),
@@ -145,6 +148,32 @@ class Watcher:
                 f"was declared; it resumed from step {resumed}, {lost} step(s) of work lost"
                 + ("" if source == "ledger" else " (from heartbeats: the step ledger could not be read)")),
                 {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source})
+
+    def _recovered_at_end(self, attempt: Attempt) -> None:
+        """An attempt after a fault whose every rank finished before a poll saw them all past
+        their restore (a short remainder; with node agents a finished rank leaves its node's
+        record at once): its recovery is still reported, from the ranks' own summaries, dated
+        by the end since the first step's moment was not seen. No warm spares: nothing follows."""
+        if attempt.trained or attempt.recovery is None:
+            return
+        summaries = [attempt.summaries.get(r) for r in range(attempt.world_size)]
+        if not all(s and s.get("step", 0) > (s.get("resumed_from") or 0) for s in summaries):
+            return
+        attempt.trained = True
+        took = self.wall() - attempt.recovery.at
+        known = self.ledger.recovery(attempt.number) if self.ledger is not None else None
+        if known is not None:
+            (resumed, lost), source = known, "ledger"
+        else:
+            resumed = max(int(s.get("resumed_from") or 0) for s in summaries)
+            lost, source = max(0, (attempt.lost_from or 0) - resumed), "summaries"
+        self.listeners.event("recovered", attempt, (
+            f"attempt {attempt.number} trained past its restore and finished within {took:.1f} s "
+            f"of the fault's declaration, before a heartbeat showed its first step; it resumed from "
+            f"step {resumed}, {lost} step(s) of work lost"
+            + ("" if source == "ledger" else " (from the ranks' summaries: the ledger could not be read)")),
+            {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source,
+             "at_end": True})
 
     def _resumed(self, attempt: Attempt, cols: BeatColumns) -> tuple[int, int, str]:
         """(step resumed from, steps lost, "ledger" or "heartbeats"): the step ledger's once it
