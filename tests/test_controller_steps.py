@@ -285,9 +285,10 @@ def test_a_straggler_is_reported_and_the_attempt_keeps_running(rig, redis_client
     assert not launcher.groups[0].stopped
 
 
-def test_recovery_is_measured_to_the_first_step_of_the_new_attempt(rig, redis_client):
+def _restarted_after_a_death(rig, name: str):
+    """A job whose rank 0 died in attempt 0, stepped until attempt 1 runs."""
     make, launcher, *_ = rig
-    cfg = job("steps-recovered")
+    cfg = job(name)
     c = make(cfg)
     drive_to_running(c)
     launcher.groups[0].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
@@ -295,6 +296,11 @@ def test_recovery_is_measured_to_the_first_step_of_the_new_attempt(rig, redis_cl
     for _ in range(4):
         c.step()
     assert c.machine.state is JobState.RUNNING and c.attempt_number == 1
+    return c, cfg, launcher
+
+
+def test_recovery_is_measured_to_the_first_step_of_the_new_attempt(rig, redis_client):
+    c, cfg, launcher = _restarted_after_a_death(rig, "steps-recovered")
     beat_all(redis_client, cfg, 1, step=4, resumed_from=4, phase="restore")
     c.step()
     events = job_status(redis_client, cfg.job.name, 50)["events"]
@@ -312,15 +318,7 @@ def test_an_attempt_that_finishes_before_a_poll_sees_its_first_step_still_report
     # A short remainder after a fault: the ranks restore, train to the end and finish between two
     # polls (with node agents a finished rank leaves its node's record at once), so no heartbeat
     # ever shows a step past the restore. The recovery is reported from the ranks' summaries.
-    make, launcher, *_ = rig
-    cfg = job("steps-recovered-at-end")
-    c = make(cfg)
-    drive_to_running(c)
-    launcher.groups[0].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
-    c.step()
-    for _ in range(4):
-        c.step()
-    assert c.machine.state is JobState.RUNNING and c.attempt_number == 1
+    c, cfg, launcher = _restarted_after_a_death(rig, "steps-recovered-at-end")
     beat_all(redis_client, cfg, 1, step=8, resumed_from=8, phase="restore")
     c.step()
     done = {"step": 10, "loss": 2.0, "resumed_from": 8, "preempted": False}
