@@ -144,6 +144,8 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
     assert any(e["type"] == "resume" for e in events), events
 
 
+@pytest.mark.slow  # the suite's time: a removed node is in tests/test_memory_snapshots.py and a spare
+# taking a lost node's place in tests/test_placement_node_loss.py, both in the default run
 def test_a_removed_node_is_replaced_by_the_spare(cluster, reference, redis_server, redis_client, tmp_path):
     import threading
 

@@ -120,9 +120,11 @@ def assert_lost_per_the_ledger_and_bitwise(cfg, result, reference, redis_client)
 
 
 @pytest.mark.timeout(600)
-# SIGKILL is `slow` (the suite's time): a worker SIGKILLed from outside is in the default run's
-# soak and many-hosts tests, and restoring from memory in the tests below.
-@pytest.mark.parametrize("how", [pytest.param("sigkill", marks=pytest.mark.slow), "sigstop"])
+# Both are `slow` (the suite's time): a worker SIGKILLed from outside is in the default run's
+# soak and many-hosts tests, a hang in tests/test_controller_recovery.py, and restoring from
+# memory in the tests below.
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
 def test_a_worker_stopped_from_outside_restarts_from_memory(how, cluster, reference, redis_server,
                                                             redis_client, tmp_path):
     cfg = job(f"mem-{how}", tmp_path)
