@@ -28,7 +28,6 @@ from longrun.controller.attempt import Attempt
 from longrun.controller.listeners import Listener
 from longrun.controller.outcomes import RankEnded
 from longrun.goodput.tracker import GoodputTracker
-from longrun.health.beat_columns import BeatColumns
 from longrun.health.node_beats import Beats, NodeBeatReader, RankBeatReader
 from longrun.health.policy import Incident
 from longrun.health.stragglers import StragglerReport
@@ -141,13 +140,7 @@ class Watcher:
         attempt.trained = True
         self.listeners.trained(attempt)
         if attempt.recovery is not None:
-            took = self.wall() - attempt.recovery.at
-            resumed, lost, source = self._resumed(attempt, cols)
-            self.listeners.event("recovered", attempt, (
-                f"attempt {attempt.number} completed its first step {took:.1f} s after the fault "
-                f"was declared; it resumed from step {resumed}, {lost} step(s) of work lost"
-                + ("" if source == "ledger" else " (from heartbeats: the step ledger could not be read)")),
-                {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source})
+            self._report_recovery(attempt, int(cols.resumed_from[cols.present].max()), "heartbeats")
 
     def _recovered_at_end(self, attempt: Attempt) -> None:
         """An attempt after a fault whose every rank finished before a poll saw them all past
@@ -160,26 +153,27 @@ class Watcher:
         if not all(s and s.get("step", 0) > (s.get("resumed_from") or 0) for s in summaries):
             return
         attempt.trained = True
+        resumed = max(int(s.get("resumed_from") or 0) for s in summaries)
+        self._report_recovery(attempt, resumed, "summaries", at_end=True)
+
+    def _report_recovery(self, attempt: Attempt, resumed: int, fallback: str, at_end: bool = False) -> None:
+        """The "recovered" event: the step resumed from and the steps lost are the step ledger's
+        once it has every rank's restore, else `resumed` as `fallback` saw it (Redis was away
+        when the ledger was read)."""
         took = self.wall() - attempt.recovery.at
         known = self.ledger.recovery(attempt.number) if self.ledger is not None else None
         if known is not None:
             (resumed, lost), source = known, "ledger"
         else:
-            resumed = max(int(s.get("resumed_from") or 0) for s in summaries)
-            lost, source = max(0, (attempt.lost_from or 0) - resumed), "summaries"
+            lost, source = max(0, (attempt.lost_from or 0) - resumed), fallback
+        if at_end:
+            message = (f"attempt {attempt.number} trained past its restore and finished within {took:.1f} s "
+                       f"of the fault's declaration, before a heartbeat showed its first step")
+        else:
+            message = (f"attempt {attempt.number} completed its first step {took:.1f} s after the fault "
+                       f"was declared")
+        extra = {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source}
         self.listeners.event("recovered", attempt, (
-            f"attempt {attempt.number} trained past its restore and finished within {took:.1f} s "
-            f"of the fault's declaration, before a heartbeat showed its first step; it resumed from "
-            f"step {resumed}, {lost} step(s) of work lost"
-            + ("" if source == "ledger" else " (from the ranks' summaries: the ledger could not be read)")),
-            {"seconds": round(took, 3), "resumed_from": resumed, "steps_lost": lost, "source": source,
-             "at_end": True})
-
-    def _resumed(self, attempt: Attempt, cols: BeatColumns) -> tuple[int, int, str]:
-        """(step resumed from, steps lost, "ledger" or "heartbeats"): the step ledger's once it
-        has every rank's restore, else the heartbeats' (Redis was away when it was read)."""
-        known = self.ledger.recovery(attempt.number) if self.ledger is not None else None
-        if known is not None:
-            return *known, "ledger"
-        resumed = int(cols.resumed_from[cols.present].max())
-        return resumed, max(0, (attempt.lost_from or 0) - resumed), "heartbeats"
+            f"{message}; it resumed from step {resumed}, {lost} step(s) of work lost"
+            + ("" if source == "ledger" else f" (from {fallback}: the step ledger could not be read)")),
+            extra | ({"at_end": True} if at_end else {}))
