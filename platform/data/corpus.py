@@ -3,11 +3,17 @@
 Each source document is wrapped as BOS + tokens + EOS and cut into pieces of at most
 max_seq_len tokens (only the first piece has BOS, only the last EOS), from its length alone:
 tokens are read only when a chunk is drawn. Subclasses say where the tokens come from (files
-of text in `documents.py`, prepared token shards in `token_corpus.py`).
+of text in `documents.py`, a .jsonl file in `jsonl_corpus.py`, prepared token shards in
+`token_corpus.py`).
+
+The chunk table (each chunk's document, start and length) has an entry per chunk; a corpus of
+millions of documents passes in a table mapped from an index file (`index_cache.py`) instead
+of computing a private copy on every rank, which `chunk_table` then builds once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -22,22 +28,43 @@ class SpecialTokens(Protocol):
     EOS: int
 
 
+def check_max_seq_len(max_seq_len: int) -> None:
+    if max_seq_len < 2:
+        raise DataError(f"model.max_seq_len ({max_seq_len}) must be at least 2 to learn anything")
+
+
+def chunk_table(content_lengths: np.ndarray, max_seq_len: int) -> dict[str, np.ndarray]:
+    """Every chunk's source document, first stream offset and length (BOS/EOS included), in
+    document order: a document of n content tokens is n + 2 stream tokens cut every max_seq_len."""
+    check_max_seq_len(max_seq_len)
+    total = np.asarray(content_lengths, dtype=np.int64) + 2  # BOS and EOS
+    n_chunks = -(-total // max_seq_len)
+    doc = np.repeat(np.arange(len(total)), n_chunks)
+    first = np.cumsum(n_chunks) - n_chunks
+    start = (np.arange(len(doc)) - first[doc]) * max_seq_len
+    return {"doc": doc, "start": start, "length": np.minimum(start + max_seq_len, total[doc]) - start}
+
+
 class Corpus:
     """Chunked documents; subclasses provide `_read(doc, start, stop)`: token ids
-    [start, stop) of source document `doc` (BOS/EOS excluded)."""
+    [start, stop) of source document `doc` (BOS/EOS excluded).
 
-    def __init__(self, content_lengths: np.ndarray, max_seq_len: int, tokenizer: SpecialTokens):
-        if max_seq_len < 2:
-            raise DataError(f"model.max_seq_len ({max_seq_len}) must be at least 2 to learn anything")
+    `chunks` is `chunk_table(content_lengths, max_seq_len)` made elsewhere (mapped from an
+    index file); computed here when not given. `index_cache` is where a corpus that has one
+    keeps its indexes (the sampler keeps its per-epoch orders there too)."""
+
+    index_cache = None  # an IndexCache where the subclass has one
+
+    def __init__(self, content_lengths: np.ndarray, max_seq_len: int, tokenizer: SpecialTokens,
+                 chunks: Mapping[str, np.ndarray] | None = None):
+        check_max_seq_len(max_seq_len)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self._content = np.asarray(content_lengths, dtype=np.int64)
-        total = self._content + 2  # BOS and EOS
-        n_chunks = -(-total // max_seq_len)
-        self._doc = np.repeat(np.arange(len(total)), n_chunks)
-        first = np.cumsum(n_chunks) - n_chunks
-        self._start = (np.arange(len(self._doc)) - first[self._doc]) * max_seq_len
-        self._stop = np.minimum(self._start + max_seq_len, total[self._doc])
+        chunks = chunk_table(self._content, max_seq_len) if chunks is None else chunks
+        self._doc, self._start, self._length = chunks["doc"], chunks["start"], chunks["length"]
+        # Shared by every caller of chunk_lengths (and possibly a mapping of a file): read-only.
+        self._length.flags.writeable = False
 
     @property
     def num_documents(self) -> int:
@@ -53,10 +80,11 @@ class Corpus:
     @property
     def chunk_lengths(self) -> np.ndarray:
         """Token count of every item (document chunk), BOS/EOS included, without reading."""
-        return self._stop - self._start
+        return self._length
 
     def __getitem__(self, i: int) -> np.ndarray:
-        doc, start, stop = int(self._doc[i]), int(self._start[i]), int(self._stop[i])
+        doc, start = int(self._doc[i]), int(self._start[i])
+        stop = start + int(self._length[i])
         n = int(self._content[doc])
         # Stream offset p holds content token p - 1 (offset 0 is BOS, n + 1 is EOS).
         parts = [np.array([self.tokenizer.BOS])] if start == 0 else []

@@ -9,7 +9,8 @@ prepare` (`token_corpus.py`; the only source for a BPE tokenizer).
 
 The corpus is indexed from document lengths (plus an 8 KiB sniff per file to skip files that
 are not text); tokens are read only when a chunk is drawn, so the 30 MB standard library
-indexes in a fraction of a second.
+indexes in a fraction of a second. A .jsonl file (`jsonl_corpus.py`) and prepared shards are
+indexed once per data set version and the index memory-mapped by every rank (`index_cache.py`).
 
 `DocumentSampler` decides the order: one seeded permutation of all documents per epoch, the
 same on every rank, with a position that `state_dict()` captures exactly and that fits any
@@ -19,7 +20,6 @@ whole global batch from it; `step.py` splits the batch among the ranks.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -33,10 +33,13 @@ from longrun.config.sections import DataSection, LengthDistribution, ModelSectio
 from longrun.data.byte_tokenizer import ByteTokenizer
 from longrun.data.corpus import Corpus, SpecialTokens
 from longrun.data.errors import DataError
+from longrun.data.jsonl_corpus import JsonlCorpus
+from longrun.data.orders import SharedOrders, epoch_permutation
 from longrun.data.sources import looks_like_text
 from longrun.data.token_corpus import open_token_corpus
 
-# Re-exported: DataError and Corpus were defined here first, and callers import them from here.
+# Re-exported: DataError, Corpus and JsonlCorpus were defined here first, and callers import
+# them from here.
 __all__ = ["Corpus", "DataError", "DocumentSampler", "FileCorpus", "JsonlCorpus", "SyntheticCorpus",
            "build_corpus"]
 
@@ -132,35 +135,6 @@ class FileCorpus(Corpus):
         return self.tokenizer.encode_bytes(data)
 
 
-class JsonlCorpus(Corpus):
-    """One document per non-blank line of a .jsonl file: the line's "text" string."""
-
-    def __init__(self, path: str | Path, max_seq_len: int, tokenizer: ByteTokenizer):
-        self.path = Path(path)
-        self._texts: list[bytes] = []
-        with open(self.path, "rb") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise DataError(f"{self.path} line {lineno} is not valid JSON: {exc}") from None
-                text = record.get("text") if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{self.path} line {lineno} has no \"text\" string field; every line "
-                        'must be a JSON object like {"text": "..."}'
-                    )
-                self._texts.append(text.encode("utf-8"))
-        if not self._texts:
-            raise DataError(f"{self.path} holds no documents (no non-blank lines)")
-        super().__init__(np.array([len(t) for t in self._texts]), max_seq_len, tokenizer)
-
-    def _read(self, doc: int, start: int, stop: int) -> np.ndarray:
-        return self.tokenizer.encode_bytes(self._texts[doc][start:stop])
-
-
 class SyntheticCorpus(Corpus):
     """`num_docs` documents of random byte ids whose lengths (BOS and EOS included) follow a
     lognormal clipped to [min_len, max_len]. Document d's tokens come from its own generator
@@ -220,7 +194,7 @@ def build_corpus(
     if path.is_dir():
         return FileCorpus(path, data.include, model.max_seq_len, tokenizer)
     if path.suffix == ".jsonl":
-        return JsonlCorpus(path, model.max_seq_len, tokenizer)
+        return JsonlCorpus(path, model.max_seq_len, tokenizer)  # its index beside the file
     raise DataError(
         f"data.path {data.path!r} is a file but not .jsonl; give a directory, a .jsonl file "
         "with a \"text\" field per line, or 'stdlib'"
@@ -244,20 +218,29 @@ class DocumentSampler:
     Epoch e visits a permutation of all documents seeded by (seed, e). The position is
     (epoch, index), which is all `state_dict()` needs: a restored sampler yields exactly the
     same documents onward, at any world size (nothing in it names a rank or a layout). Seeded
-    by its own generator, independent of torch's RNG (model init, dropout)."""
+    by its own generator, independent of torch's RNG (model init, dropout). With `orders`
+    (the corpus's `SharedOrders`) the permutation is mapped from a file one process wrote
+    instead of computed by every rank: the same values (`orders.py`)."""
 
-    def __init__(self, num_docs: int, *, seed: int, shuffle: bool = True):
+    def __init__(self, num_docs: int, *, seed: int, shuffle: bool = True,
+                 orders: SharedOrders | None = None):
         if num_docs < 1:
             raise DataError("the corpus has no documents; use more data")
         self.num_docs, self.seed, self.shuffle = num_docs, seed, shuffle
+        self.orders = orders
         self.epoch, self.index = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
-            # A (seed, epoch) pair rather than seed + epoch: seed 1 epoch 0 != seed 0 epoch 1.
-            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
-                           if self.shuffle else np.arange(self.num_docs))
+            # The last epoch's order is not held while the next is made (nor kept if that fails).
+            self._order_epoch, self._order = -1, None
+            if not self.shuffle:
+                self._order = np.arange(self.num_docs)
+            elif self.orders is not None:
+                self._order = self.orders.permutation(self.seed, epoch, self.num_docs)
+            else:
+                self._order = epoch_permutation(self.seed, epoch, self.num_docs)
             self._order_epoch = epoch
         return self._order
 

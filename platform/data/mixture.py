@@ -27,6 +27,7 @@ from longrun.config.sections import DataSection
 from longrun.data.corpus import Corpus
 from longrun.data.documents import DocumentSampler, refuse_per_rank_position
 from longrun.data.errors import DataError
+from longrun.data.orders import SharedOrders
 
 
 def _dataset_seed(seed: int, dataset: int) -> int:
@@ -39,7 +40,7 @@ class MixtureSampler:
     whose items are the consecutive ranges of `sizes`, each drawn with its share of `weights`."""
 
     def __init__(self, sizes: list[int], weights: list[float], *, seed: int,
-                 names: list[str] | None = None, shuffle: bool = True):
+                 names: list[str] | None = None, shuffle: bool = True, orders: SharedOrders | None = None):
         if len(sizes) != len(weights) or not sizes:
             raise ValueError(f"one weight per dataset: {len(sizes)} datasets, {len(weights)} weights")
         if not all(w > 0 for w in weights):
@@ -52,7 +53,8 @@ class MixtureSampler:
         for i, (size, name) in enumerate(zip(sizes, names, strict=True)):
             if size < 1:
                 raise DataError(f"{name} holds no documents; every dataset of a mixture needs some")
-            self.parts.append(DocumentSampler(int(size), seed=_dataset_seed(seed, i), shuffle=shuffle))
+            self.parts.append(DocumentSampler(int(size), seed=_dataset_seed(seed, i), shuffle=shuffle,
+                                              orders=orders))
         self.drawn = np.zeros(len(sizes), dtype=np.int64)
 
     def next_dataset(self) -> int:
@@ -93,11 +95,13 @@ class MixtureSampler:
 
 def build_sampler(data: DataSection, corpus: Corpus, *, seed: int) -> DocumentSampler | MixtureSampler:
     """The one global document order of `corpus`: a mixture sampler for `data.mix`, else one
-    permutation per epoch over all its documents."""
+    permutation per epoch over all its documents. A corpus with an index cache keeps each
+    epoch's permutation there, computed by one process and mapped by the others."""
+    orders = SharedOrders(corpus.index_cache) if corpus.index_cache is not None else None
     if data.mix is None:
-        return DocumentSampler(len(corpus), seed=seed)
+        return DocumentSampler(len(corpus), seed=seed, orders=orders)
     sizes = getattr(corpus, "part_sizes", None)
     if sizes is None or len(sizes) != len(data.mix):
         raise ValueError("data.mix needs the corpus of its prepared directories (open_token_corpus)")
     return MixtureSampler([int(n) for n in sizes], [item.weight for item in data.mix], seed=seed,
-                          names=[item.path for item in data.mix])
+                          names=[item.path for item in data.mix], orders=orders)

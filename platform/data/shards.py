@@ -13,13 +13,15 @@ A directory made by `longrun data prepare`:
 
 The manifest is replaced atomically and lists only finished shards (written, fsynced, renamed
 from .tmp), so whatever a crash leaves behind, the manifest never names a partial file.
-`TokenShards` reads them through np.memmap: nothing is loaded until a document is read, and
-opening hashes nothing (only sizes are checked): a shard the verification mark does not
-vouch for is hashed the first time this process reads from it, before its tokens are returned.
+`TokenShards` reads them through np.memmap, the .idx files too: nothing is loaded until a
+document is read, every process opening a directory shares the pages of its index files, and
+opening hashes nothing (only sizes are checked): a shard the verification mark does not vouch
+for is hashed the first time this process reads from it, before its tokens are returned.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -50,7 +52,8 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a file created or renamed in it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -99,7 +102,7 @@ def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> st
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return manifest_sha256(data)
 
 
@@ -141,7 +144,7 @@ class ShardWriter:
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.directory / f"{self.name}.bin")
         os.replace(idx_tmp, self.directory / f"{self.name}.idx")
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return {"name": self.name, "documents": self.documents, "tokens": self.tokens,
                 "bin_sha256": self._hash.hexdigest(), "idx_sha256": hashlib.sha256(index).hexdigest()}
 
@@ -183,6 +186,11 @@ def check_shard(directory: Path, entry: dict[str, Any], itemsize: int, *, verify
     if problem is None and verify:
         problem = _check_hashes(directory, entry)
     return problem
+
+
+def _corrupt_index(directory: Path, entry: dict[str, Any]) -> str:
+    return (f"shard {directory / entry['name']}.idx is corrupt: its offsets do not run from 0 to "
+            f"{entry['tokens']} (expected sha256 {entry['idx_sha256']})")
 
 
 def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
@@ -239,16 +247,36 @@ class TokenShards:
             self.stamps.update(stamps)
             if verify != "lazy" or all(marked.get(name) == st for name, st in stamps.items()):
                 self._verified.add(i)
-            offsets = np.fromfile(directory / f"{entry['name']}.idx", dtype=INDEX_DTYPE).astype(np.int64)
-            if offsets[0] != 0 or offsets[-1] != entry["tokens"] or np.any(np.diff(offsets) < 0):
-                raise DataError(f"shard {directory / entry['name']}.idx is corrupt: its offsets do not "
-                                f"run from 0 to {entry['tokens']} (expected sha256 {entry['idx_sha256']})")
+            # Mapped, not read: a rank holds no private copy of the offsets, and opening reads
+            # two of them (the rest are checked where they are turned into lengths).
+            offsets = np.memmap(directory / f"{entry['name']}.idx", dtype=INDEX_DTYPE, mode="r",
+                                shape=(entry["documents"] + 1,))
+            if int(offsets[0]) != 0 or int(offsets[-1]) != entry["tokens"]:
+                raise DataError(_corrupt_index(directory, entry))
             self._offsets.append(offsets)
             self._bins.append(_memmap(directory / f"{entry['name']}.bin", self.dtype, entry["tokens"]))
-        counts = [len(o) - 1 for o in self._offsets]
+        counts = [int(entry["documents"]) for entry in manifest["shards"]]
         self._first_doc = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        self.lengths = (np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets
-                        else np.zeros(0, dtype=np.int64))
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._offsets)
+
+    def shard_lengths(self, shard: int) -> np.ndarray:
+        """The token counts of one shard's documents (int64); DataError when its offsets go
+        backwards (a corrupt .idx)."""
+        lengths = np.diff(np.asarray(self._offsets[shard], dtype=np.int64))
+        if len(lengths) and lengths.min() < 0:
+            raise DataError(_corrupt_index(Path(self.path), self.manifest["shards"][shard]))
+        return lengths
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """Every document's token count, in a private array (training maps them from an index
+        file instead: `token_corpus.py`)."""
+        if not self._offsets:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self.shard_lengths(i) for i in range(self.num_shards)])
 
     @property
     def unverified_shards(self) -> int:
@@ -266,7 +294,7 @@ class TokenShards:
 
     @property
     def num_documents(self) -> int:
-        return len(self.lengths)
+        return int(self._first_doc[-1])
 
     @property
     def num_tokens(self) -> int:
@@ -276,11 +304,11 @@ class TokenShards:
         """Token ids [start, stop) of document `doc` (BOS/EOS not included), as int64."""
         if not 0 <= doc < self.num_documents:
             raise IndexError(f"document {doc} is outside [0, {self.num_documents})")
-        length = int(self.lengths[doc])
-        if not 0 <= start <= stop <= length:
-            raise IndexError(f"tokens [{start}, {stop}) are outside document {doc} (length {length})")
         shard = int(np.searchsorted(self._first_doc, doc, side="right")) - 1
+        local = doc - int(self._first_doc[shard])
+        base, end = int(self._offsets[shard][local]), int(self._offsets[shard][local + 1])
+        if not 0 <= start <= stop <= end - base:
+            raise IndexError(f"tokens [{start}, {stop}) are outside document {doc} (length {end - base})")
         if shard not in self._verified:
             self._verify(shard)
-        base = int(self._offsets[shard][doc - self._first_doc[shard]])
         return np.asarray(self._bins[shard][base + start: base + stop], dtype=np.int64)
