@@ -17,8 +17,9 @@ of times, and nothing there is read again. Under an attempt's prefix:
     logs:    the ranks' log lines (worker/rank_log.py), consumed by the controller into
              <output_dir>/<job>/logs/attempt-A/rank-R.log
 
-The job record (state, events, restarts, evictions, skips), the attempt counter and the goodput
-summary are job-wide: they must survive every attempt, and they are what `longrun status` reads.
+The job record (state, events, restarts, evictions, skips), the attempt counter, the goodput
+summary and the measured storage rate are job-wide: they must survive every attempt, and they
+are what `longrun status` reads.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def job_stop_key(job: str) -> str:
 def job_goodput_key(job: str) -> str:
     """The goodput summary (a hash: seconds per bucket, goodput, wall time, recent faults)."""
     return f"{job_prefix(job)}goodput"
+
+
+def job_storage_rate_key(job: str) -> str:
+    """The storage rate per rank (bytes/s) the job's last restore from storage measured (its
+    slowest rank's): what the restore's start-up deadline is sized by (health/startup.py)."""
+    return f"{job_prefix(job)}storage_rate"
 
 
 def job_attempts_key(job: str) -> str:

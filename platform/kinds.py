@@ -9,6 +9,7 @@ is its string, so it travels through Redis, JSON and Prometheus labels unchanged
     JobState.RUNNING.terminal        # False
     FaultKind.precedence()           # most specific first: what the policy's rules key on
     Phase.CHECKPOINT in SLOW_PHASES  # True: judged by the hard hang ceiling
+    STARTUP_OF[Phase.BUILD]          # StartupPhase.BUILD: judged by the build's own deadline
 """
 
 from __future__ import annotations
@@ -65,10 +66,13 @@ class Phase(enum.StrEnum):
     """Where a rank is: published in its heartbeat, timed in the phase histogram."""
 
     STARTING = "starting"
-    SETUP = "setup"
+    SETUP = "setup"  # the rank's own start: imports, device, metrics server, Redis clients
     DIAGNOSTICS = "diagnostics"
     RENDEZVOUS = "rendezvous"
+    BUILD = "build"  # the model on the meta device, parallelized, this rank's pieces given memory
     RESTORE = "restore"
+    INIT = "init"  # the initial weights (seeded, or model.init_from), when nothing was restored
+    CALIBRATION = "calibration"  # dynamic context parallelism's cost model, measured or read
     DATA = "data"
     PLAN = "plan"
     PIPELINE = "pipeline"  # the pipeline schedule: every micro-batch's forward and backward, interleaved
@@ -86,8 +90,35 @@ class Phase(enum.StrEnum):
 STEP_PHASES = (Phase.DATA, Phase.PLAN, Phase.PIPELINE, Phase.FORWARD, Phase.BACKWARD, Phase.SYNC,
                Phase.OPTIMIZER)
 # Phases whose length has nothing to do with a step: a step-sized learned hang timeout would call
-# a long save or restore a hang, so these are judged by the hard ceiling.
-SLOW_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.DIAGNOSTICS, Phase.RENDEZVOUS,
-                         Phase.RESTORE, Phase.CHECKPOINT, Phase.HELD})
+# a long save or restore a hang. The start-up ones are judged by their own deadlines
+# (`STARTUP_OF`), the others (a blocking save, a held rank) by the hard ceiling.
+SLOW_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.DIAGNOSTICS, Phase.RENDEZVOUS, Phase.BUILD,
+                         Phase.RESTORE, Phase.INIT, Phase.CALIBRATION, Phase.CHECKPOINT, Phase.HELD})
 # Phases in which a rank has not yet trained a step of the current attempt.
-STARTING_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.RENDEZVOUS, Phase.RESTORE})
+STARTING_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.RENDEZVOUS, Phase.BUILD, Phase.RESTORE,
+                             Phase.INIT, Phase.CALIBRATION})
+
+
+class StartupPhase(enum.StrEnum):
+    """The parts of an attempt's start, in order, each with its own deadline (health/startup.py;
+    `health.startup.<phase>_s`). A rank past its phase's deadline is a hang that names the phase;
+    the hang timeout (`health.hang_timeout_s`, and the one learned from step times) covers
+    training steps only."""
+
+    PLACEMENT = "placement"  # the controller reserves the nodes and starts the ranks' processes
+    SETUP = "setup"  # each rank: imports, device, metrics server, Redis clients
+    RENDEZVOUS = "rendezvous"  # every communication group formed
+    BUILD = "build"  # the model built on the meta device, parallelized, this rank's pieces allocated
+    RESTORE = "restore"  # a memory snapshot or the newest committed checkpoint read and verified
+    INIT = "init"  # the initial weights, only when nothing was restored
+    CALIBRATION = "calibration"  # dynamic context parallelism's cost model (only under CP)
+    FIRST_STEP = "first_step"  # the attempt's first training step (first collectives, warm-up)
+
+
+# The heartbeat phase -> the start-up phase whose deadline judges it. A rank in a step's phases
+# before it has completed a step of its attempt is in FIRST_STEP (the monitor tells it apart by
+# its step); placement happens before any rank beats.
+STARTUP_OF = {Phase.STARTING: StartupPhase.SETUP, Phase.SETUP: StartupPhase.SETUP,
+              Phase.RENDEZVOUS: StartupPhase.RENDEZVOUS, Phase.BUILD: StartupPhase.BUILD,
+              Phase.RESTORE: StartupPhase.RESTORE, Phase.INIT: StartupPhase.INIT,
+              Phase.CALIBRATION: StartupPhase.CALIBRATION}

@@ -86,6 +86,8 @@ def test_each_step_is_on_the_ledger_before_faults_fire_with_its_blocked_seconds(
     hooks = StepHooks(Beat(), WorkerMetrics("gp", 0), checkpointer=Save(counter), faults=faults)
     hooks.ledger, hooks.trainer = ledger, NoTrainer()
     hooks.restored(None, 0.0, source="storage", seconds=0.5)
+    assert ledger.calls == []  # the initial weights (or CP's calibration) come before training
+    hooks.begin_training()
     assert ledger.calls == [("restored", None, "none", 0.5)]  # nothing restored: source "none"
     for step in (1, 2):
         hooks.phase(Phase.DATA)

@@ -311,12 +311,14 @@ def test_a_resumed_job_keeps_its_checkpoint_not_init_from(tmp_path):
             assert torch.equal(value, trained[name]), name
 
 
-def test_a_worker_that_will_restore_does_not_read_init_from(tmp_path):
-    """A restarted worker finds a committed checkpoint and skips the HF weights: a moved or
-    deleted HF directory cannot fail a restart, and no restart pays for reading them."""
+def test_a_worker_that_restores_does_not_read_init_from(tmp_path, monkeypatch):
+    """A restarted worker restores before it sets any weights, and a restore leaves nothing to
+    set: a moved or deleted HF directory cannot fail a restart, no restart pays for reading it,
+    and the initialiser never runs. A fresh start reads it (and would fail without it)."""
     import shutil
 
-    from longrun.worker.setup import build_trainer, has_committed_checkpoint
+    from longrun.interop import hf_import
+    from longrun.worker.setup import InitFromSkipped, build_trainer, has_committed_checkpoint, start_weights
 
     hf_dir, _ = _hf_model(tmp_path, tie=False)
     cfg = config_from_dict(_job(tmp_path / "runs", model_section_from_hf(str(hf_dir)), steps=2))
@@ -328,11 +330,22 @@ def test_a_worker_that_will_restore_does_not_read_init_from(tmp_path):
         ck.close()
     assert has_committed_checkpoint(cfg)
     shutil.rmtree(hf_dir)
-    trainer, _ = build_trainer(cfg, None, torch.device("cpu"), resuming=True)
+    reads = []
+    monkeypatch.setattr(hf_import, "load_hf_pieces", lambda *a, **k: reads.append(a) or 0)
+    trainer, _ = build_trainer(cfg, None, torch.device("cpu"))
     with trainer:
-        assert Checkpointer(cfg).restore(trainer).step == 2
-    with pytest.raises(HFError):  # what the restart would have hit reading it
-        build_trainer(cfg, None, torch.device("cpu"), resuming=False)
+        assert not trainer.initialised
+        step = Checkpointer(cfg).restore(trainer).step
+        start_weights(trainer, step, checkpoints_expected=True)
+        assert step == 2 and not trainer.initialised and reads == []
+    # Committed checkpoints that none could restore: going on from init_from is refused.
+    trainer, _ = build_trainer(cfg, None, torch.device("cpu"))
+    with trainer, pytest.raises(InitFromSkipped, match="none of them could be restored"):
+        start_weights(trainer, 0, checkpoints_expected=True)
+    monkeypatch.undo()
+    trainer, _ = build_trainer(cfg, None, torch.device("cpu"))
+    with trainer, pytest.raises(HFError):  # what a fresh start would have hit reading it
+        start_weights(trainer, 0, checkpoints_expected=False)
 
 
 def test_init_from_is_not_part_of_the_shape_a_checkpoint_must_match():

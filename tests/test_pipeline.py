@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 from pipeline_workers import (
+    VARIED,
     gradients_match_one_process,
+    packed_steps_match_one_process,
     restore_at_layout,
     resumes_from_own_checkpoint,
     save_at_layout,
@@ -31,6 +33,10 @@ LAYOUTS = {
     "pp2-zbv": ({"pp": 2, "pp_virtual_stages": 2}, "zbv_zero_bubble", 2, {}),
     "pp2xfsdp2-interleaved": ({"pp": 2, "fsdp": 2, "pp_virtual_stages": 2}, "interleaved_1f1b", 4, {}),
     "pp2xtp2-full-ac": ({"pp": 2, "tp": 2}, "1f1b", 4, {"activation_checkpointing": "full"}),
+    # Varied document lengths: packed per rank, some steps' global batches needed 5 micro-batches
+    # on a rank (6 with the interleaved rounding) before issue 38.
+    "pp2xdp2-interleaved": ({"pp": 2, "dp": 2, "pp_virtual_stages": 2}, "interleaved_1f1b", 4,
+                            {"data": VARIED}),
 }
 N_LAYERS = 8  # pipeline_config's model
 
@@ -64,7 +70,7 @@ def test_gradients_equal_one_process(name, tmp_path):
 
 # By default DTensor pieces per stage (PP x FSDP) and several stages per rank (PP 4
 # interleaved); the other layouts resume in the slow set.
-RESUMES = ["pp2xfsdp2", "pp4-interleaved"]
+RESUMES = ["pp2xfsdp2", "pp4-interleaved", "pp2xdp2-interleaved"]
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in RESUMES else pytest.mark.slow)
@@ -75,6 +81,28 @@ def test_each_layout_resumes_bitwise_from_its_own_checkpoint(name, tmp_path, red
                     args=(parallelism, schedule, training, redis_server.url, str(tmp_path / "ckpt"),
                           f"pp-resume-{name}"))
     assert [(rank, step, bitwise) for rank, step, bitwise, *_ in out] == [(r, 2, True) for r in range(world)]
+    # Every step of the three runs packed exactly the job's micro-batches: none was empty.
+    assert [empty for *_, empty in out] == [[0, 0, 0]] * world
+
+
+# Steps whose global batches, packed per rank, needed one micro-batch more than grad_accum and
+# were padded up to the schedule's count before issue 38 (pp 2 x dp 2: 5 -> 6; pp 4: 9 -> 12).
+PACKED = {"pp2xdp2-interleaved": 3, "pp4-interleaved": 2}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "pp2xdp2-interleaved"
+                                               else pytest.mark.slow) for n in PACKED])
+def test_a_step_that_was_padded_runs_no_empty_micro_batch_and_equals_one_process(name, tmp_path):
+    parallelism, schedule, world, training = LAYOUTS[name]
+    training = {"data": VARIED} | training
+    steps, accum = PACKED[name], training.get("grad_accum", 4)
+    out = run_world(packed_steps_match_one_process, world, tmp_path,
+                    args=(parallelism, schedule, training, steps))
+    for rank, counts, empty, builds, worst, losses, ref_losses in out:
+        # The job's count every step, none empty, and the schedule built once for it.
+        assert (counts, empty, builds) == ([accum] * steps, [0] * steps, [accum]), rank
+        assert worst < 1e-5, (rank, worst)
+        assert losses == pytest.approx(ref_losses, rel=1e-5), rank
 
 
 def _world_dir(tmp_path, name):
@@ -169,6 +197,12 @@ def _with(base: dict, **changes) -> dict:
     ({"parallelism__pp_layers": [1, 2]}, "parallelism.pp_layers", "summing to model.n_layers (4)"),
     ({"parallelism__pp": 8, "cluster__workers_per_node": 8, "training__grad_accum": 8}, "parallelism.pp",
      "8 pipeline stages need at least as many transformer blocks"),
+    # Every step runs exactly the job's count: the interleaved rounds need a multiple of pp.
+    ({"training__pp_schedule": "interleaved_1f1b", "parallelism__pp_virtual_stages": 2,
+      "training__grad_accum": 5}, "training.grad_accum", "raise training.grad_accum to 6"),
+    ({"training__pp_schedule": "interleaved_1f1b", "parallelism__pp_virtual_stages": 2,
+      "training__global_batch_tokens": 5 * 2048 + 100}, "training.global_batch_tokens",
+     f"raise training.global_batch_tokens to {6 * 2048}"),
 ])
 def test_validate_refuses_what_the_pipeline_cannot_run_with_the_knob(changes, path, needle):
     with pytest.raises(ConfigError) as info:

@@ -1,10 +1,12 @@
-"""`longrun config validate|show|plan`: a job config checked (valid, and runnable by this longrun),
-printed with its defaults filled in, or its per-rank memory estimated for its layout."""
+"""`longrun config validate|show|plan|dryrun`: a job config checked (valid, and runnable by this
+longrun), printed with its defaults filled in, its per-rank memory estimated for its layout, or
+one of its ranks built for real on this machine (`dryrun.py`)."""
 
 from __future__ import annotations
 
 from rich_argparse import RichHelpFormatter
 
+from longrun.cli import dryrun
 from longrun.cli.common import add_config_args, load, out
 from longrun.config import ConfigError
 from longrun.config.memory import GB, pipeline_micro_batches, plan_for, stage_plans
@@ -28,6 +30,7 @@ def add_parsers(sub) -> None:
                               "if it does not fit cluster.device_memory_gb, naming the knob to turn")
     add_config_args(plan)
     plan.set_defaults(func=cmd_config_plan)
+    dryrun.add_parser(cfg_sub)
 
 
 def cmd_config_validate(args) -> int:
@@ -70,6 +73,27 @@ def _print_stages(cfg) -> None:
               "or virtual stages shrink it)")
 
 
+def _print_deadlines(cfg) -> None:
+    """How an attempt of this job starts: each phase in order with its deadline and why."""
+    from rich.table import Table
+
+    from longrun.health.startup import collective_note, startup_deadlines
+
+    deadlines = startup_deadlines(cfg)
+    table = Table(title="start-up: each phase in order and how long it may take before the rank is "
+                  "declared hung (health.startup; steps after the first: health.hang_timeout_s)")
+    for column, justify in (("phase", "left"), ("deadline s", "right"), ("from", "left")):
+        table.add_column(column, justify=justify)
+    for row in deadlines:
+        table.add_row(str(row.phase), f"{row.seconds:.0f}", row.why)
+    out.print(table)
+    out.print(f"every process group: health.collective_timeout_s {cfg.health.collective_timeout_s:g} s; "
+              "the restore's storage rate is re-measured by each restore from storage")
+    note = collective_note(cfg, deadlines)
+    if note:
+        out.print(f"[yellow]note[/]: {note}")
+
+
 def cmd_config_plan(args) -> int:
     cfg = load(args)
     from rich.table import Table
@@ -86,6 +110,7 @@ def cmd_config_plan(args) -> int:
     out.print(table)
     if dims.pp > 1:
         _print_stages(cfg)
+    _print_deadlines(cfg)
     limit = cfg.cluster.device_memory_gb
     problems = runnable_problems(cfg)
     if problems:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -143,13 +144,16 @@ class ParallelGroups:
 
 
 def create_groups(layout: RankLayout, rank: int, world: dist.ProcessGroup, *, timeout: timedelta,
-                  pg_options: Any = None, known: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
+                  make_options: Callable[[], Any] | None = None,
+                  known: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
                   store: RedisStore | None = None,
                   ) -> tuple[dict[str, dist.ProcessGroup], dict[str, list[int]], dict[str, float]]:
     """This rank's group of every name, in the canonical order: (groups by name, members by
-    name, seconds per communicator created). `known`: communicators of this world by member
-    ranks, reused and added to. `store`: the world's RedisStore, whose read-ahead then serves
-    each group's gloo rendezvous (every peer's key in one XREAD instead of 2 round trips each)."""
+    name, seconds per communicator created), each created with `timeout`. `make_options`: makes
+    each new communicator's backend options, a fresh object each (torch writes the group's
+    fields into it and keeps it). `known`: communicators of this world by member ranks, reused
+    and added to. `store`: the world's RedisStore, whose read-ahead then serves each group's
+    gloo rendezvous (every peer's key in one XREAD instead of 2 round trips each)."""
     by_list = known if known is not None else {}
     by_list[tuple(range(layout.world_size))] = world
     named: dict[str, dist.ProcessGroup] = {}
@@ -160,8 +164,9 @@ def create_groups(layout: RankLayout, rank: int, world: dist.ProcessGroup, *, ti
         if key not in by_list:  # (formed on this world before: a re-formed world's `known`)
             start = time.perf_counter()
             with store.reading_ahead(len(members)) if store is not None else contextlib.nullcontext():
+                options = make_options() if make_options is not None else None
                 by_list[key] = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
-                                              pg_options=pg_options, group_desc=name)
+                                              pg_options=options, group_desc=name)
             seconds[name] = time.perf_counter() - start
     for name, members in layout.groups_of(rank):
         named[name] = by_list[tuple(members)]

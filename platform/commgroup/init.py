@@ -16,13 +16,20 @@
 
 On GPU the world is initialised eagerly with `device_id`, which lets torch derive each new
 NCCL communicator with ncclCommSplit from the world's instead of a fresh bootstrap, and the
-communicators are configured non-blocking so their initialisations overlap.
+communicators are configured non-blocking so their initialisations overlap. Each group gets
+options of its own: torch writes the group's timeout, name, ranks and split colour into the
+options object it is given and the group keeps a pointer to it, so one object shared by every
+group would leave them all reading the last group's fields.
+
+`timeout` is every group's (the world's and each new group's: the job's
+`health.collective_timeout_s`) and the store's wait for a peer's keys.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -30,7 +37,7 @@ import torch.distributed as dist
 
 from longrun.commgroup.groups import InitTimings, ParallelGroups, create_groups
 from longrun.commgroup.rendezvous import RendezvousError, await_world, count_in, missing_ranks
-from longrun.commgroup.store import RedisStore, StoreTimeoutError
+from longrun.commgroup.store import RedisStore, StoreLinks, StoreTimeoutError
 from longrun.commgroup.topology import RankLayout
 
 __all__ = ["InitTimings", "ParallelGroups", "RendezvousError", "init_parallel_groups"]
@@ -57,15 +64,20 @@ def _await_everyone(store: RedisStore, world_size: int, timeout: timedelta) -> N
         raise _rendezvous_error(store, missing_ranks(store, world_size), world_size, timeout) from None
 
 
-def _world_options(backend: str, device: torch.device | None) -> tuple[dict, object]:
-    """(init_process_group keyword arguments, options for every new group) of a backend."""
+def _world_options(backend: str, device: torch.device | None) -> tuple[dict, Callable[[], object] | None]:
+    """(init_process_group keyword arguments, a maker of each new group's options) of a backend."""
     if backend != "nccl":
         return {}, None
     if device is None:
         raise ValueError("the nccl backend needs the rank's CUDA device")
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.blocking = 0  # non-blocking communicator init: inits overlap
-    return {"device_id": device}, options  # eager init: new groups split from the world's
+
+    def nccl_options() -> object:
+        # A fresh object per group: torch writes the group's own fields into it and keeps it.
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.blocking = 0  # non-blocking communicator init: inits overlap
+        return options
+
+    return {"device_id": device}, nccl_options  # eager init: new groups split from the world's
 
 
 def _init_world(store: RedisStore, backend: str, rank: int, world_size: int, timeout: timedelta,
@@ -95,7 +107,11 @@ def init_parallel_groups(
     backend: str = "gloo",
     timeout: timedelta = timedelta(minutes=5),
     device: torch.device | None = None,
+    links: StoreLinks | None = None,
 ) -> ParallelGroups:
+    """Count in, form the world and every group of `layout` this rank belongs to, each with
+    `timeout`. `links`: connections the store borrows (a training rank's; the store opens its
+    own otherwise)."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; call "
                            "ParallelGroups.teardown() on the previous world first")
@@ -106,7 +122,7 @@ def init_parallel_groups(
     timings = InitTimings()
     start = time.perf_counter()
 
-    store = RedisStore.for_attempt(redis_url, job, attempt, timeout)
+    store = RedisStore.for_attempt(redis_url, job, attempt, timeout, links=links)
     timings.store_connect_s = time.perf_counter() - start
 
     t = time.perf_counter()
@@ -124,7 +140,7 @@ def init_parallel_groups(
     timings.world_init_s = time.perf_counter() - t
 
     named, ranks, timings.groups_s = create_groups(layout, rank, world, timeout=timeout,
-                                                   pg_options=group_options, store=store)
+                                                   make_options=group_options, store=store)
     timings.total_s = time.perf_counter() - start
     log.info("rank %d attempt %d: world of %d up (%s)", rank, attempt, world_size, timings.summary())
     return ParallelGroups(rank=rank, attempt=attempt, layout=layout, store=store, world=world,

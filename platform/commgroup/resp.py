@@ -9,7 +9,12 @@ exactly what RedisStore needs (commands and replies, AUTH, SELECT, TLS) and is n
 client: pipelines, scans and administration stay on redis-py.
 
 One connection per thread (torch and gloo call a store from several threads; a shared socket
-would need a lock, and a blocking read holding it would stall a writer in the same process).
+would need a lock, and a blocking read holding it would stall a writer in the same process),
+or, where connections are counted (a training rank keeps to two: services/redis_client.py),
+one connection shared by every thread (`SharedResp`): callers take turns in arrival order, a
+blocked read holding it for at most one block (2 s; the store re-issues longer waits), and a
+worker's store is used by one thread at a time in practice (gloo's rendezvous on the thread
+that forms the groups; NCCL's monitor thread checks a key now and then).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def pack(args: tuple[Any, ...]) -> bytes:
 class RespConnection:
     """One socket to one server; `call(*args)` sends a command and returns its reply."""
 
-    def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float):
+    def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float, name: str | None = None):
         opts = parse_url(url)
         self._address = (opts.get("host", "localhost"), int(opts.get("port", 6379)))
         sock = socket.create_connection(self._address, timeout=connect_timeout_s)
@@ -57,6 +62,8 @@ class RespConnection:
             self.call(*auth)
         if opts.get("db"):
             self.call("SELECT", int(opts["db"]))
+        if name:  # what CLIENT LIST shows: whose connection this is
+            self.call("CLIENT", "SETNAME", name)
 
     def call(self, *args: Any) -> Any:
         self._sock.sendall(pack(args))
@@ -92,8 +99,8 @@ class PerThreadResp:
     """A RespConnection per calling thread, opened on first use, and closed together."""
 
     def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float,
-                 error: type[Exception] = ConnectionError, where: str = "Redis"):
-        self._args = (url, connect_timeout_s, read_timeout_s)
+                 error: type[Exception] = ConnectionError, where: str = "Redis", name: str | None = None):
+        self._args = (url, connect_timeout_s, read_timeout_s, name)
         self._error, self._where = error, where
         self._local = threading.local()
         self._all: list[RespConnection] = []
@@ -125,4 +132,48 @@ class PerThreadResp:
         with self._lock:
             conns, self._all = self._all, []
         for conn in conns:
+            conn.close()
+
+
+class SharedResp:
+    """One RespConnection for every calling thread (opened on first use, again after a broken
+    one), each call holding it from send to reply; waiting callers are served in arrival order
+    (a ticket lock: a thread re-issuing a blocked read cannot starve a writer)."""
+
+    def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float,
+                 error: type[Exception] = ConnectionError, where: str = "Redis", name: str | None = None):
+        self._args = (url, connect_timeout_s, read_timeout_s, name)
+        self._error, self._where = error, where
+        self._conn: RespConnection | None = None
+        self._turns = threading.Condition()
+        self._next_ticket = self._serving = 0
+
+    def call(self, *args: Any) -> Any:
+        with self._turns:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._turns.wait_for(lambda: self._serving == ticket)
+        try:
+            return self._call(args)
+        finally:
+            with self._turns:
+                self._serving += 1
+                self._turns.notify_all()
+
+    def _call(self, args: tuple[Any, ...]) -> Any:
+        if self._conn is None:
+            try:
+                self._conn = RespConnection(*self._args)
+            except OSError as exc:
+                raise self._error(f"cannot connect to {self._where}: {exc}") from exc
+        try:
+            return self._conn.call(*args)
+        except OSError as exc:  # as PerThreadResp: drop the broken socket, the next call reconnects
+            self._conn, conn = None, self._conn
+            conn.close()
+            raise self._error(f"lost the connection to {self._where} during {args[0]}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._turns:
+            conn, self._conn = self._conn, None
+        if conn is not None:
             conn.close()

@@ -14,6 +14,11 @@ until K is written - one round trip either way, like TCPStore's get, with no rac
 polling storm and no keyspace-notification config, on any Redis >= 5. Every other operation
 is one round trip too (a script, a pipeline, or MGET/MSET).
 
+A store opens two kinds of connection of its own (redis-py's for pipelines and scans, one lean
+socket per calling thread for the hot path), or borrows a training rank's (`StoreLinks`: its
+client and one shared socket), so that a rank holds at most two Redis connections whatever
+it does (services/redis_client.py `RankRedis`).
+
 Two additions serve bring-up at scale (see `commgroup.rendezvous`): `read_values` waits for
 many keys with one XREAD and returns their values, and `reading_ahead(count)` lets gloo's
 rendezvous (each member `set`s `<prefix><rank>` and then `wait`s and `get`s every peer's key,
@@ -29,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -36,7 +42,7 @@ import redis
 import torch.distributed as dist
 
 from longrun import keys
-from longrun.commgroup.resp import PerThreadResp, RespError
+from longrun.commgroup.resp import PerThreadResp, RespError, SharedResp
 from longrun.keys import delete_attempt_keys as delete_attempt_keys  # the cleanup lives in keys.py
 from longrun.keys import delete_matching, glob_escape
 from longrun.redact import redact  # the one redaction: user-info and ?password= alike
@@ -116,21 +122,43 @@ def _as_bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+@dataclass(frozen=True)
+class StoreLinks:
+    """Connections a store borrows instead of opening its own (and leaves open when it closes):
+    `client` for pipelines, scans and the connection check, `fast` for the hot path (one socket
+    shared by the calling threads: `store_socket`)."""
+
+    client: redis.Redis
+    fast: SharedResp
+
+
+def store_socket(url: str, name: str | None = None, connect_timeout_s: float = 10.0) -> SharedResp:
+    """The one socket a store's hot path shares between threads (for `StoreLinks`); its reads
+    block for at most one chunk at a time, so its timeout covers one chunk."""
+    return SharedResp(url, connect_timeout_s, _BLOCK_CHUNK_S + connect_timeout_s, error=StoreConnectionError,
+                      where=f"Redis at {redact(url)}", name=name)
+
+
 class RedisStore(dist.Store):
     def __init__(self, url: str, namespace: str, timeout: timedelta = DEFAULT_TIMEOUT,
-                 connect_timeout_s: float = 10.0):
+                 connect_timeout_s: float = 10.0, *, links: StoreLinks | None = None):
         super().__init__()
         self.url = url
         self.namespace = namespace
         self._connect_timeout_s = connect_timeout_s
         self.set_timeout(timeout)
-        self._client = redis.Redis.from_url(
-            url, socket_connect_timeout=connect_timeout_s, socket_timeout=_BLOCK_CHUNK_S + connect_timeout_s,
-            socket_keepalive=True, health_check_interval=30)
-        # The hot path (get, set, wait, add, ...) goes through a lean per-thread connection;
-        # redis-py serves the rest (pipelines, scans) and the connection check below.
-        self._fast = PerThreadResp(url, connect_timeout_s, _BLOCK_CHUNK_S + connect_timeout_s,
-                                   error=StoreConnectionError, where=f"Redis at {redact(url)}")
+        self._links = links
+        if links is not None:
+            self._client, self._fast = links.client, links.fast
+        else:
+            self._client = redis.Redis.from_url(
+                url, socket_connect_timeout=connect_timeout_s,
+                socket_timeout=_BLOCK_CHUNK_S + connect_timeout_s, socket_keepalive=True,
+                health_check_interval=30)
+            # The hot path (get, set, wait, add, ...) goes through a lean per-thread connection;
+            # redis-py serves the rest (pipelines, scans) and the connection check below.
+            self._fast = PerThreadResp(url, connect_timeout_s, _BLOCK_CHUNK_S + connect_timeout_s,
+                                       error=StoreConnectionError, where=f"Redis at {redact(url)}")
         self._compare_set = self._client.register_script(_COMPARE_SET)
         self._set = self._client.register_script(_SET)
         self._add = self._client.register_script(_ADD)
@@ -148,9 +176,9 @@ class RedisStore(dist.Store):
                 "Is the server running and the address right?")) from None
 
     @classmethod
-    def for_attempt(cls, url: str, job: str, attempt: int,
-                    timeout: timedelta = DEFAULT_TIMEOUT) -> RedisStore:
-        return cls(url, keys.store_prefix(job, attempt), timeout)
+    def for_attempt(cls, url: str, job: str, attempt: int, timeout: timedelta = DEFAULT_TIMEOUT, *,
+                    links: StoreLinks | None = None) -> RedisStore:
+        return cls(url, keys.store_prefix(job, attempt), timeout, links=links)
 
     # -- key mapping ---------------------------------------------------------------------------
     def _k(self, key: str) -> str:
@@ -334,9 +362,9 @@ class RedisStore(dist.Store):
         return True
 
     def clone(self) -> RedisStore:
-        """A store over the same namespace with its own connections (torch clones a store for
-        use from another thread)."""
-        return RedisStore(self.url, self.namespace, self.timeout, self._connect_timeout_s)
+        """A store over the same namespace (torch clones a store for use from another thread):
+        with its own connections, or the same borrowed ones (they serve any thread)."""
+        return RedisStore(self.url, self.namespace, self.timeout, self._connect_timeout_s, links=self._links)
 
     # torch's C++ trampoline calls these two under their C++ names.
     deleteKey = delete_key
@@ -351,5 +379,7 @@ class RedisStore(dist.Store):
         return delete_matching(self._client, self._pattern())
 
     def close(self) -> None:
+        if self._links is not None:
+            return  # borrowed: their owner closes them
         self._fast.close()
         self._client.close()

@@ -10,9 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from longrun.config.memory import pipeline_micro_batches
 from longrun.health.scaling import shrunk_degrees
 from longrun.parallel.dims import ParallelDims, is_power_of_two, parallel_dims
-from longrun.parallel.schedules import MULTI_STAGE, V_SHAPED, ZERO_BUBBLE, total_stages
+from longrun.parallel.schedules import (
+    MULTI_STAGE,
+    V_SHAPED,
+    ZERO_BUBBLE,
+    micro_batches_to_run,
+    total_stages,
+)
 
 if TYPE_CHECKING:
     from longrun.config.job import JobConfig
@@ -181,20 +188,26 @@ def _pipeline_runs(cfg: JobConfig, dims: ParallelDims) -> Problems:
         yield "parallelism.pp", (
             f"{stages} pipeline stages need at least as many transformer blocks; model.n_layers is "
             f"{m.n_layers}: lower parallelism.pp or pp_virtual_stages")
-    needed = stages if multi else dims.pp
+    # Every step runs exactly this many micro-batches per pipeline (the feed packs the global
+    # batch into them; the schedule is built once): it must be a count the schedule runs.
+    micro = pipeline_micro_batches(tr, cfg.data, dims)
+    runs = micro_batches_to_run(tr.pp_schedule, dims.pp, stages, micro)
+    if runs == micro:
+        return
+    rule = (f"{tr.pp_schedule} over {stages} stages needs at least {stages} micro-batches per step "
+            "(fewer leave stages idle for the whole step)")
+    if multi:
+        rule += f" and a multiple of pp ({dims.pp})"
     if tr.global_batch_tokens is None:
-        if tr.grad_accum < needed:
-            yield "training.grad_accum", (
-                f"{tr.pp_schedule} over {needed} stages needs at least {needed} micro-batches per step "
-                f"(fewer leave stages idle for the whole step); raise training.grad_accum to {needed}")
+        yield "training.grad_accum", (
+            f"training.grad_accum ({tr.grad_accum}) is the micro-batches each pipeline runs per step; "
+            f"{rule}: raise training.grad_accum to {runs}")
     else:
-        per_rank = tr.global_batch_tokens // (cfg.data.micro_batch_tokens * dims.span)
-        if per_rank < needed:
-            yield "training.global_batch_tokens", (
-                f"{tr.global_batch_tokens} tokens make about {per_rank} micro-batches of "
-                f"{cfg.data.micro_batch_tokens} per pipeline; {tr.pp_schedule} over {needed} stages "
-                f"needs at least {needed}: raise training.global_batch_tokens to "
-                f"{needed * cfg.data.micro_batch_tokens * dims.span}")
+        per_rank = cfg.data.micro_batch_tokens * dims.span
+        yield "training.global_batch_tokens", (
+            f"{tr.global_batch_tokens} tokens make {micro} micro-batches of "
+            f"{cfg.data.micro_batch_tokens} per pipeline (over a span of {dims.span}); {rule}: raise "
+            f"training.global_batch_tokens to {runs * per_rank}")
 
 
 CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (

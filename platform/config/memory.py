@@ -162,7 +162,10 @@ def stage_plans(m: ModelSection, dims: ParallelDims, training: TrainingSection, 
 
 
 def pipeline_micro_batches(training: TrainingSection, data: DataSection, dims: ParallelDims) -> int:
-    """Micro-batches one pipeline runs per step (grad_accum, or what the global batch holds)."""
+    """Micro-batches every pipeline runs per step, fixed for the job: grad_accum, or the whole
+    micro-batches per rank the global batch holds. The feed packs each step's global batch
+    into exactly this many per rank (`data/fixed_bins.py`); the config check holds it to what
+    the schedule runs (`schedules.micro_batches_to_run`)."""
     if training.global_batch_tokens is None:
         return training.grad_accum
     return max(1, training.global_batch_tokens // (data.micro_batch_tokens * dims.span))

@@ -349,11 +349,58 @@ class FaultSpec(Section):
         return self
 
 
+Seconds = PositiveFloat | Literal["auto"]
+
+
+class StartupSection(Section):
+    """How long each part of an attempt's start may take before the rank is declared hung,
+    naming the phase (health/startup.py computes 'auto' and says from what; `longrun config
+    plan` prints the table). The hang timeout covers training steps only."""
+
+    placement_s: Seconds = Field(
+        "auto", description="Reserving the nodes and starting every rank's process (a wait for busy "
+        "nodes is retried, not a restart). auto: 120 s plus 20 ms per rank.")
+    setup_s: Seconds = Field(
+        "auto", description="A rank's own start: imports, device, metrics server. auto: 300 s.")
+    rendezvous_s: Seconds = Field(
+        "auto", description="Forming every communication group, once every rank is in it. auto: 120 s "
+        "plus 10 ms per rank.")
+    build_s: Seconds = Field(
+        "auto", description="The model built on the meta device, parallelized and this rank's pieces "
+        "allocated. auto: 60 s plus 3x the rank's state at 1 GB/s, at least the floor.")
+    restore_s: Seconds = Field(
+        "auto", description="Reading and verifying a checkpoint or memory snapshot. auto: 60 s plus 3x "
+        "the rank's parameters and optimizer state at the storage rate (measured by an earlier "
+        "attempt's restore, else storage_mb_per_s), at least the floor.")
+    init_s: Seconds = Field(
+        "auto", description="The initial weights when nothing was restored. auto: 3x the rank's "
+        "parameters at 100 MB/s (model.init_from: at the storage rate), at least the floor.")
+    calibration_s: Seconds = Field(
+        "auto", description="Dynamic context parallelism's cost model (only under CP). auto: 3x about "
+        "60 micro-batch passes at the estimated speed, at least the floor.")
+    first_step_s: Seconds = Field(
+        "auto", description="The attempt's first step: first collectives, warm-up. auto: 180 s plus 3x "
+        "the step's FLOPs per rank at 10% of cluster.peak_tflops (40 TFLOP/s on cuda, 0.02 on cpu "
+        "when unset), at least the floor.")
+    storage_mb_per_s: PositiveFloat = Field(
+        100.0, description="The storage rate per rank (MB/s) the restore's deadline assumes until a "
+        "restore of this job has measured one.")
+    floor_s: PositiveFloat = Field(
+        120.0, description="No 'auto' deadline is shorter than this (nor than health.hang_timeout_s).")
+
+
 class HealthSection(Section):
     heartbeat_interval_s: PositiveFloat = 1.0
     heartbeat_timeout_s: PositiveFloat = 5.0
     hang_timeout_s: PositiveFloat = Field(
-        120.0, description="Hard ceiling: no step progress for this long is a hang, whatever the step times.")
+        120.0, description="Hard ceiling: no step progress for this long is a hang, whatever the step "
+        "times. Training steps only: each start-up phase has its own deadline (health.startup).")
+    startup: StartupSection = Field(default_factory=StartupSection)
+    collective_timeout_s: PositiveFloat = Field(
+        1800.0, description="Every process group's timeout: a collective (or group bring-up) waiting "
+        "this long for a peer fails. A backstop: a stuck rank is declared by its hang timeout or "
+        "start-up deadline first. Longer than any start-up phase, since a rank's first collectives "
+        "may wait for a peer still restoring or building.")
     hang_safety_factor: Annotated[float, Field(gt=1)] = Field(
         5.0, description="Once step times are known, no progress for this x the slowest recent step "
         "(but at least hang_min_s) is a hang.")

@@ -22,6 +22,7 @@ from longrun.health.beat_columns import STARTING_CODES, BeatColumns
 from longrun.health.monitor import HealthMonitor
 from longrun.health.policy import Incident
 from longrun.health.scaling import SizeDecision
+from longrun.health.startup import StartupDeadlines
 from longrun.kinds import FaultKind
 
 
@@ -62,12 +63,14 @@ class Attempt:
         return Attempt(self.number + 1 if number is None else number, recovery=recovery,
                        loss_history=history, lost_from=reached)
 
-    def watch(self, world_size: int, health: HealthSection, now: float) -> None:
-        """Start judging this attempt's heartbeats (its ranks were just started)."""
+    def watch(self, world_size: int, health: HealthSection, now: float,
+              deadlines: StartupDeadlines | None = None) -> None:
+        """Start judging this attempt's heartbeats (its ranks were just started); `deadlines`:
+        each start-up phase's (health/startup.py; None: the hard hang ceiling for each)."""
         self.world_size = world_size
         nodes = [self.group.node_of(rank) for rank in range(world_size)] if self.group is not None else None
         self.monitor = HealthMonitor(world_size, health, started_at=now, loss_history=self.loss_history,
-                                     nodes=nodes)
+                                     nodes=nodes, deadlines=deadlines)
 
     def settle(self, incidents: list[Incident], now: float, patience_s: float) -> list[Incident] | None:
         """The incidents to decide on now, or None to hold them for a later poll.

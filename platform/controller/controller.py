@@ -64,6 +64,8 @@ from longrun.controller.workers import Launcher, LaunchFailed, RayLauncher, Work
 from longrun.goodput.tracker import GoodputTracker
 from longrun.health.policy import Action, Decision, Incident, RestartRecord, decide
 from longrun.health.scaling import Resize
+from longrun.health.startup import StartupDeadlines, startup_deadlines
+from longrun.kinds import StartupPhase
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import advertised_address, target_groups
 from longrun.services.redis_client import patient_client, quick_client
@@ -87,7 +89,7 @@ BACKOFF_SLICE_S = 1.0  # a restart's backoff is slept in slices, so a stop reque
 
 class Controller:
     def __init__(self, cfg: JobConfig, redis_url: str, *, poll_s: float | None = None,
-                 on_event: Callable[[str], None] | None = None, placement_timeout_s: float = 120.0,
+                 on_event: Callable[[str], None] | None = None, placement_timeout_s: float | None = None,
                  diagnostics_timeout_s: float = 300.0, launch: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep, serve_metrics: bool = True):
@@ -97,7 +99,7 @@ class Controller:
         self.watch_client = quick_client(redis_url)  # heartbeats: a miss is retried next poll
         self.record = JobRecordStore(self.client, cfg.job.name)
         self.machine = JobStateMachine()
-        self.placement_timeout_s = placement_timeout_s
+        self.placement_timeout_s = placement_timeout_s  # None: the placement phase's deadline
         self.diagnostics_timeout_s = diagnostics_timeout_s
         self.launch = launch or RayLauncher()
         self.clock, self.wall, self.sleep = clock, wall, sleep
@@ -271,9 +273,16 @@ class Controller:
             self._move(JobState.RENDEZVOUS, self._rendezvous_reason())
 
     def _on_rendezvous(self) -> None:
+        deadlines = self.deadlines(self.layout)
+        self.on_event(f"start-up deadlines: {deadlines.summary()} (`longrun config plan` says why)")
         self.attempt.group.start()
-        self.attempt.watch(self.layout.world_size, self.cfg.health, self.clock())
+        self.attempt.watch(self.layout.world_size, self.cfg.health, self.clock(), deadlines=deadlines)
         self._move(JobState.RUNNING, "training")
+
+    def deadlines(self, layout: JobConfig) -> StartupDeadlines:
+        """Each start-up phase's deadline at `layout`, the restore's sized by the storage rate
+        this job's last restore from storage measured (health/startup.py)."""
+        return startup_deadlines(layout, storage_bytes_per_s=self.goodput.storage_rate)
 
     def _on_running(self) -> None:
         incidents = self.watcher.poll(self.attempt)
@@ -333,8 +342,9 @@ class Controller:
 
     # -- elastic continuation -------------------------------------------------------------------
     def _launch(self, layout: JobConfig) -> WorkerGroup:
+        timeout_s = self.placement_timeout_s or self.deadlines(layout).seconds(StartupPhase.PLACEMENT)
         return self.launch(layout, attempt=self.attempt.number, redis_url=self.redis_url,
-                           evicted=self.record.evicted(), timeout_s=self.placement_timeout_s,
+                           evicted=self.record.evicted(), timeout_s=timeout_s,
                            resume_before_step=self.attempt.resume_before_step, skip_steps=self.record.skips(),
                            cancelled=lambda: self.stop_request is not None)
 

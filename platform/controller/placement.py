@@ -210,7 +210,8 @@ def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.
                 remove_placement_group(group)
                 raise PlacementTimeout(
                     f"{cfg.world_size} worker(s) on nodes {', '.join(n.address for n in nodes)} could not "
-                    f"be reserved within {timeout_s:g} s: their resources are in use",
+                    f"be reserved within {timeout_s:g} s (the placement deadline, "
+                    "health.startup.placement_s): their resources are in use",
                     available=placeable_nodes(cfg, now, evicted),
                     existing=len(eligible_nodes(cfg, now, evicted)),
                 )

@@ -76,13 +76,25 @@ class Launcher(Protocol):
     def release(self) -> None: ...
 
 
-def actor_options(cfg: JobConfig) -> dict[str, float]:
+# Ray masks each GPU actor's CUDA_VISIBLE_DEVICES to its own GPU. NCCL then cannot see the
+# node's other GPUs as peers, and on H100s its NVLink paths break (hangs, slow first
+# collectives). With this set, Ray leaves the mask alone: every rank sees every GPU of its node
+# and picks its own by the GPU id Ray assigned it (worker/setup.py `worker_device`).
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def actor_options(cfg: JobConfig) -> dict[str, Any]:
     """A worker's (and a spare's) resources: half of its bundle each. The spare waiting in a
     bundle must be able to take the worker's place without a new reservation, and on a GPU it
-    must already see the bundle's device (Ray hides GPUs from an actor that asked for none);
-    a fractional share of the same bundle gives both."""
+    must already hold a share of the bundle's device (so Ray assigns it that GPU's id); a
+    fractional share of the same bundle gives both. On GPUs, Ray's per-actor masking of
+    CUDA_VISIBLE_DEVICES is off (the job's other runtime environment is kept: Ray merges
+    environment variables)."""
     bundle = worker_bundle(cfg)
-    return {"num_cpus": bundle.get("CPU", 0.0) / 2, "num_gpus": bundle.get("GPU", 0.0) / 2}
+    options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 0.0) / 2, "num_gpus": bundle.get("GPU", 0.0) / 2}
+    if options["num_gpus"]:
+        options["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+    return options
 
 
 class RayWorkerGroup:
@@ -238,7 +250,10 @@ class RayLauncher:
             # A spare that died after warming, or a worker that never came up: start over clean
             # (the snapshot keepers stay: they hold what the next try restores from).
             self._abandon(actors)
-            raise LaunchFailed(f"attempt {attempt}'s workers did not start: {last_line(exc)[:300]}",
+            why = (f"not every one started within the placement deadline of {timeout_s:g} s "
+                   "(health.startup.placement_s)" if isinstance(exc, ray.exceptions.GetTimeoutError)
+                   else last_line(exc)[:300])
+            raise LaunchFailed(f"attempt {attempt}'s workers did not start: {why}",
                                kind=fault_kind_of(unwrap(exc))) from exc
         try:
             self._check_shared_storage(cfg, actors, timeout_s)

@@ -101,6 +101,10 @@ class GlobalBatch:
     indices: np.ndarray  # int64 [n_docs]
     lengths: np.ndarray  # int64 [n_docs]: tokens of each (BOS/EOS included)
     sampler_state: dict[str, Any]  # where the data goes on after this batch
+    # Its micro-batches (positions into `indices`, each in global order) when the draw packed it
+    # into a fixed count (`fixed_bins.pipeline_batches`, under pipeline parallelism); None: the
+    # step packs it (`step.data_parallel_step`).
+    micro_batches: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def tokens(self) -> int:

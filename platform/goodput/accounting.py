@@ -93,6 +93,7 @@ class Restore:
     source: str
     seconds: float
     at: float
+    nbytes: int | None = None  # the state it restored (None: unknown): with `seconds`, a storage rate
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -100,9 +101,17 @@ class Restore:
     @classmethod
     def from_json(cls, raw: str | bytes) -> Restore:
         d = json.loads(raw)
-        step = d.get("step")
+        step, nbytes = d.get("step"), d.get("nbytes")
         return cls(step=None if step is None else int(step), source=str(d.get("source", "none")),
-                   seconds=float(d.get("seconds", 0.0)), at=float(d["at"]))
+                   seconds=float(d.get("seconds", 0.0)), at=float(d["at"]),
+                   nbytes=None if nbytes is None else int(nbytes))
+
+    @property
+    def storage_rate(self) -> float | None:
+        """Bytes per second of a restore from storage (None: not one, or not measured)."""
+        if self.source != "storage" or self.step is None or not self.nbytes or self.seconds <= 0:
+            return None
+        return self.nbytes / self.seconds
 
 
 @dataclass

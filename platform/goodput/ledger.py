@@ -12,10 +12,12 @@ controller's last read):
                              seconds blocked on a checkpoint, a snapshot and the data, and its
                              metrics (the driver's progress line; observability/progress.py)
     ledger:restored   hash   rank -> JSON Restore: the step restored (null: none), its source,
-                             seconds, and `at`, when it finished: the time training began
+                             seconds, the bytes of state restored, and `at`, when it finished:
+                             the time training began
 
 A Redis blip must neither fail nor stall training: the ledger's client gives up after
-`TIMEOUT_S`, and what it could not send (step records up to `MAX_PENDING`, the newest `done`,
+`TIMEOUT_S` (a training rank's is its one shared connection, which gives up after 2 s:
+worker/redis_links.py), and what it could not send (step records up to `MAX_PENDING`, the newest `done`,
 the restore) goes with the next step's write; after a failure it waits `retry_s` (doubling,
 capped) before trying again, so a Redis that is away costs a step one short timeout now and
 then, not one per step. A reply lost after Redis applied the write means a record sent twice:
@@ -77,12 +79,13 @@ class StepLedger:
         self.dropped = 0  # step records dropped because Redis stayed away too long
         self.failures = 0  # writes that failed (and were kept for the next step)
 
-    def restored(self, step: int | None, source: str, seconds: float) -> None:
-        """This rank restored `step` (None: nothing to resume from) from `source` in `seconds`;
+    def restored(self, step: int | None, source: str, seconds: float, nbytes: int | None = None) -> None:
+        """This rank restored `step` (None: nothing to resume from) from `source` in `seconds`
+        (`nbytes`: the state it holds, by which the controller learns the storage rate);
         training begins now."""
         at = self.clock()
         self._last_end = at
-        self._restored = Restore(step, source, seconds, at).to_json()
+        self._restored = Restore(step, source, seconds, at, nbytes).to_json()
         self.flush()
 
     def step(self, step: int, *, checkpoint_s: float = 0.0, snapshot_s: float = 0.0,

@@ -8,6 +8,7 @@ persisted. Torch-free; the controller drives it through a listener (controller/l
     tracker.ending(n)     # the attempt's workers are gone, its keys not yet deleted: the rest
     tracker.recovery(n)   # (step restored, steps lost) once every rank of attempt n restored
     tracker.summary()     # GoodputSummary: buckets, goodput, faults
+    tracker.storage_rate  # bytes/s per rank of the last restore from storage (its slowest rank's)
 
 Polls read through the controller's fail-fast client (a miss is read next time: records stay in
 Redis until read); the read at an attempt's end goes through the patient one, because the keys
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import redis
 
+from longrun import keys
 from longrun.goodput.accounting import Carried, GoodputAccount, Restore, StepRecord
 from longrun.goodput.ledger import LedgerRead, LedgerReader
 from longrun.goodput.summary import GoodputSummary, delete_summary, read_summary, write_summary
@@ -47,6 +49,10 @@ class GoodputTracker:
         self._restores: dict[int, Restore] = {}  # rank -> restore, of the attempt read
         self._resumed = False  # every rank of the attempt read has restored (applied)
         self._recovery: dict[int, tuple[int, int]] = {}  # attempt -> (step restored, steps lost)
+        # The storage rate per rank the job's last restore from storage measured (its slowest
+        # rank's: the one the others waited for), kept in Redis across controllers; what the
+        # restore's start-up deadline is sized by (health/startup.py). None: nothing measured.
+        self.storage_rate: float | None = None
         # Told what the ledger says as it is read, in order: `resumed(attempt, step, source, s)`
         # once every rank restored, then `steps(attempt, records)` (the progress line, the
         # journal, TensorBoard): the records are consumed here, so this is their one reader.
@@ -63,9 +69,12 @@ class GoodputTracker:
         try:
             if state is not None and (state is JobState.PREEMPTED or not state.terminal):
                 carried = self._carried(state, previous_attempt)
+                rate = self.client.get(keys.job_storage_rate_key(self.job))
+                self.storage_rate = float(rate) if rate else None
             else:
                 delete_summary(self.client, self.job)
-        except redis.RedisError as exc:
+                self.client.delete(keys.job_storage_rate_key(self.job))
+        except (redis.RedisError, ValueError) as exc:
             log.warning("goodput summary of the previous run not read: %s", exc)
         self.account = GoodputAccount(self.account.started_at, window_steps=self._window,
                                       max_faults=self._max_faults, carried=carried)
@@ -158,6 +167,13 @@ class GoodputTracker:
             for subscriber in self.subscribers:
                 subscriber.steps(attempt, read.steps)
 
+    def _measured(self, rate: float) -> None:
+        self.storage_rate = rate
+        try:
+            self.quick.set(keys.job_storage_rate_key(self.job), repr(rate))
+        except (redis.RedisError, OSError) as exc:  # kept in memory; a later controller assumes one
+            log.warning("the measured storage rate was not written to Redis: %s", exc)
+
     def _resume(self, attempt: int) -> None:
         restores = list(self._restores.values())
         step = min((r.step or 0) for r in restores)
@@ -169,5 +185,8 @@ class GoodputTracker:
         self._resumed = True
         restored = step if any(r.step is not None for r in restores) else None
         seconds = max(r.seconds for r in restores)  # the slowest rank's restore held the others
+        rates = [r.storage_rate for r in restores if r.storage_rate is not None]
+        if rates:
+            self._measured(min(rates))
         for subscriber in self.subscribers:
             subscriber.resumed(attempt, restored, source, seconds)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from longrun.health.heartbeat import Heartbeat
-from longrun.kinds import SLOW_PHASES, STARTING_PHASES, Phase
+from longrun.kinds import SLOW_PHASES, STARTING_PHASES, STARTUP_OF, Phase, StartupPhase
 
 NONE = -1  # an unknown integer (a pipeline stage where there is none)
 
@@ -30,6 +30,14 @@ _PHASES: list[str] = [str(p) for p in Phase]
 _CODES: dict[str, int] = {name: i for i, name in enumerate(_PHASES)}
 SLOW_CODES = np.array(sorted(_CODES[str(p)] for p in SLOW_PHASES), dtype=np.int16)
 STARTING_CODES = np.array(sorted(_CODES[str(p)] for p in STARTING_PHASES), dtype=np.int16)
+# Start-up phases by index (StartupPhase's order): what a rank's phase code is judged by.
+STARTUP_PHASES = tuple(StartupPhase)
+FIRST_STEP = STARTUP_PHASES.index(StartupPhase.FIRST_STEP)
+_STARTUP_BY_CODE = np.full(len(_PHASES), NONE, np.int16)
+for _phase, _startup in STARTUP_OF.items():
+    _STARTUP_BY_CODE[_CODES[str(_phase)]] = STARTUP_PHASES.index(_startup)
+# Phases that are no part of a step: a rank in one is not in its first step either.
+_NOT_A_STEP = np.union1d(SLOW_CODES, [_CODES[str(Phase.DONE)], _CODES[str(Phase.FAILED)]])
 
 
 def phase_code(name: str) -> int:
@@ -42,6 +50,17 @@ def phase_code(name: str) -> int:
 
 def phase_name(code: int) -> str:
     return _PHASES[code] if 0 <= code < len(_PHASES) else "unknown"
+
+
+def startup_stint(phase: np.ndarray, step: np.ndarray, resumed_from: np.ndarray) -> np.ndarray:
+    """The start-up phase (an index into STARTUP_PHASES) each rank is in, NONE where it is past
+    its start: its heartbeat phase's (setup, rendezvous, build, restore, init, calibration), or
+    the first step for a rank in a step's phases that has trained no step of its attempt yet."""
+    known = phase < len(_STARTUP_BY_CODE)  # a code this table has not seen: a newer worker's step phase
+    stint = np.where(known, _STARTUP_BY_CODE[np.where(known, phase, 0)], NONE).astype(np.int16)
+    first = (stint == NONE) & ~np.isin(phase, _NOT_A_STEP) & (step <= resumed_from)
+    stint[first] = FIRST_STEP
+    return stint
 
 
 @dataclass

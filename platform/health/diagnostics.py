@@ -105,6 +105,7 @@ def collective_check(store: torch.distributed.Store, rank: int, size: int, devic
             return True, "one worker on the node: nothing to exchange"
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
             group = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
             group = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -117,19 +118,24 @@ def collective_check(store: torch.distributed.Store, rank: int, size: int, devic
     return _timed("collective", run)
 
 
-def store_check(redis_url: str, *, pings: int = 10) -> CheckResult:
+def store_check(redis_url: str, *, pings: int = 10, client=None) -> CheckResult:
+    """Round trips to Redis: on `client` (a worker's own connection) or a client opened for it."""
     def run():
         import redis
 
-        client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
+        own = client is None
+        pinged = client
+        if own:
+            pinged = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
         try:
             times = []
             for _ in range(pings):
                 start = time.perf_counter()
-                client.ping()
+                pinged.ping()
                 times.append(time.perf_counter() - start)
         finally:
-            client.close()
+            if own:
+                pinged.close()
         median = statistics.median(times)
         return median < _LATENCY_LIMIT_S, f"median round trip {median * 1e3:.2f} ms over {pings} pings"
 
@@ -159,9 +165,12 @@ def nvml_check(device: torch.device) -> CheckResult | None:
 
 def run_diagnostics(checks: Sequence[str], *, node: str, rank: int, device: torch.device,
                     redis_url: str | None = None, memory_bytes: int = 256 * 2**20,
-                    node_group: tuple[torch.distributed.Store, int, int] | None = None) -> NodeReport:
+                    node_group: tuple[torch.distributed.Store, int, int] | None = None,
+                    store_client=None, collective_timeout: timedelta = timedelta(seconds=30)) -> NodeReport:
     """Run `checks` (names from `recovery.diagnostics`) on this worker. `node_group` is
-    (store, local rank, local size) for the collective check; without it, it is skipped."""
+    (store, local rank, local size) for the collective check, whose group and all-reduce wait
+    `collective_timeout` at most; without it, it is skipped. `store_client`: the connection the
+    store check pings on (None: one opened for it)."""
     results: list[CheckResult] = []
     for name in checks:
         if name == "compute":
@@ -169,9 +178,9 @@ def run_diagnostics(checks: Sequence[str], *, node: str, rank: int, device: torc
         elif name == "memory":
             results.append(memory_check(device, memory_bytes))
         elif name == "collective" and node_group is not None:
-            results.append(collective_check(*node_group, device))
+            results.append(collective_check(*node_group, device, timeout=collective_timeout))
         elif name == "store" and redis_url is not None:
-            results.append(store_check(redis_url))
+            results.append(store_check(redis_url, client=store_client))
         elif name not in ("collective", "store"):
             raise ValueError(f"unknown diagnostic {name!r}; known: compute, memory, collective, store")
     extra = nvml_check(device)

@@ -28,7 +28,9 @@ from longrun import keys
 class Heartbeat:
     rank: int
     step: int = 0  # optimizer steps completed
-    phase: str = "starting"  # setup, restore, data, forward, backward, sync, optimizer, checkpoint, ...
+    # setup, rendezvous, build, restore, init, calibration (the start: kinds.StartupPhase), then
+    # data, forward, backward, sync, optimizer, checkpoint, ...
+    phase: str = "starting"
     loss: float | None = None  # the last step's global loss; None if not finite
     loss_finite: bool = True  # False when the last step's loss was NaN/inf
     step_time_s: float | None = None

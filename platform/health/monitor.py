@@ -9,6 +9,14 @@ is the policy's business, not this module's.
 Two clocks appear below. `now` is the caller's clock. The *judging clock* is `now` minus every
 second the monitor was blind (Redis unreachable): timeouts that mean "we watched and nothing
 happened" run on it, because during an outage we did not watch.
+
+Two kinds of "no progress". A rank in a start-up phase (setup, rendezvous, build, restore, init,
+calibration, or its attempt's first step) is judged by that phase's deadline (`deadlines`,
+health/startup.py), and the clock of a phase starts once every rank has reached it: a rank
+waiting for a peer still in an earlier phase is not charged for the wait, the peer is judged by
+its own phase. Past its first step, a rank is judged by the hang timeout (learned from its step
+times, the hard ceiling until then and in a blocking save). Both are reported as a hang; the
+start-up one names the phase and its deadline.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from longrun.config.sections import HealthSection
-from longrun.health.beat_columns import NONE, BeatColumns, phase_name
+from longrun.health.beat_columns import FIRST_STEP, NONE, STARTUP_PHASES, BeatColumns, phase_name
 from longrun.health.heartbeat import Heartbeat
 from longrun.health.rank_track import RankTracks
+from longrun.health.startup import StartupDeadlines
 from longrun.health.stragglers import NodeIndex, StragglerReport, attribute
 from longrun.kinds import FaultKind
 
@@ -50,7 +59,7 @@ class Fault:
 class HealthMonitor:
     def __init__(self, world_size: int, health: HealthSection, *, started_at: float,
                  startup_grace_s: float = 120.0, loss_history: Mapping[int, float] | None = None,
-                 nodes: Sequence[str | None] | None = None):
+                 nodes: Sequence[str | None] | None = None, deadlines: StartupDeadlines | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if startup_grace_s < 0:
@@ -60,6 +69,12 @@ class HealthMonitor:
         self.started_at = started_at
         self.startup_grace_s = startup_grace_s
         self._tracks = RankTracks(world_size)
+        # Each start-up phase's deadline (None: every phase gets the hard ceiling, as before).
+        self.deadlines = deadlines or StartupDeadlines.uniform(
+            health.hang_timeout_s, "health.hang_timeout_s (no start-up deadlines were given)")
+        self._deadline_s = np.array([self.deadlines.seconds(p) for p in STARTUP_PHASES])
+        # Judging clock at which every rank had reached each start-up phase (NaN: not yet).
+        self._opened_at = np.full(len(STARTUP_PHASES), np.nan)
         # Which node each rank runs on: a straggler is explained by its node, data or stage.
         self._nodes = NodeIndex.of(list(nodes) if nodes is not None else [None] * world_size)
         self.stragglers: StragglerReport | None = None  # the newest explanation of the job's pace
@@ -105,7 +120,10 @@ class HealthMonitor:
             t.reset(np.flatnonzero(revived))
         live = np.flatnonzero(present & ~t.dead)
         t.follow(cols, live, now, clock, self.health, wall)
-        hangs = self._judge_hang(live, now, clock)
+        self._open_phases(active & ~t.dead, clock)
+        starting = t.stint[live] != NONE
+        hangs = (self._judge_startup(live[starting], now, clock)
+                 + self._judge_hang(live[~starting], now, clock))
         return (dead + hangs + self._judge_stragglers(cols, live, now)
                 + self._judge_nan(cols, live, now) + self._judge_loss(cols, live, now))
 
@@ -134,7 +152,11 @@ class HealthMonitor:
                 self._mark_dead(rank)
 
     def hang_timeout_s(self, rank: int) -> float:
-        """The current hang timeout of a rank, for status and metrics."""
+        """The current hang timeout of a rank, for status and metrics: its start-up phase's
+        deadline while it starts, then the step-sized one."""
+        stint = int(self._tracks.stint[rank])
+        if stint != NONE:
+            return float(self._deadline_s[stint])
         return float(self._tracks.hang_timeouts(np.array([rank]), self.health)[0])
 
     # ---- rules ----------------------------------------------------------------------------
@@ -178,6 +200,34 @@ class HealthMonitor:
             # Reported once: the rank stays dead until a newer heartbeat shows a restarted process.
             self._mark_dead(rank)
             faults.append(Fault(FaultKind.DEAD, rank, self._step_of(rank), now, detail))
+        return faults
+
+    def _open_phases(self, watched: np.ndarray, clock: float) -> None:
+        """Start the clock of every start-up phase that each watched rank has now reached."""
+        ranks = np.flatnonzero(watched)
+        reached = int(self._tracks.startup_order(ranks).min()) if len(ranks) else len(STARTUP_PHASES)
+        opening = self._opened_at[: reached + 1]
+        opening[np.isnan(opening)] = clock
+
+    def _judge_startup(self, ranks: np.ndarray, now: float, clock: float) -> list[Fault]:
+        """HANG: a rank longer in a start-up phase than its deadline (once per stint), counted
+        from when it entered the phase or, if later, when every rank had reached it."""
+        if not len(ranks):
+            return []
+        t = self._tracks
+        stint = t.stint[ranks]
+        elapsed = clock - np.maximum(t.stint_since[ranks], self._opened_at[stint])  # NaN: not open yet
+        over = (elapsed > self._deadline_s[stint]) & ~t.stint_reported[ranks]
+        faults = []
+        for i in np.flatnonzero(over).tolist():
+            rank = int(ranks[i])
+            t.stint_reported[rank] = True
+            deadline = self.deadlines[STARTUP_PHASES[stint[i]]]
+            where = (f"in its first step (phase '{phase_name(int(t.phase[rank]))}', step {t.step[rank]})"
+                     if stint[i] == FIRST_STEP else f"in phase '{deadline.phase}'")
+            faults.append(Fault(FaultKind.HANG, rank, int(t.step[rank]), now,
+                                f"rank {rank}{_stage(int(t.pp_stage[rank]))} spent {elapsed[i]:.0f} s "
+                                f"{where} (deadline {deadline.seconds:.0f} s: {deadline.why})"))
         return faults
 
     def _judge_hang(self, live: np.ndarray, now: float, clock: float) -> list[Fault]:

@@ -14,7 +14,14 @@ import warnings
 import numpy as np
 
 from longrun.config.sections import HealthSection
-from longrun.health.beat_columns import NONE, SLOW_CODES, BeatColumns, phase_code
+from longrun.health.beat_columns import (
+    NONE,
+    SLOW_CODES,
+    STARTUP_PHASES,
+    BeatColumns,
+    phase_code,
+    startup_stint,
+)
 from longrun.kinds import Phase
 
 STEP_TIME_WINDOW = 20  # recent step durations a rank's hang timeout is learned from
@@ -51,6 +58,12 @@ class RankTracks:
         self.recent_times = np.full((n, RECENT_TIMES), np.nan)  # ring of reported step times
         self.next_time = np.zeros(n, np.int64)
         self.finished = np.zeros(n, bool)  # completed its work: no longer judged (its beat will expire)
+        # The start-up phase each rank is in (an index into STARTUP_PHASES, NONE: past its start),
+        # since when (judging clock: the poll that first saw it there), and whether its overrun
+        # was reported (once per stint).
+        self.stint = np.full(n, NONE, np.int16)
+        self.stint_since = np.zeros(n)
+        self.stint_reported = np.zeros(n, bool)
 
     def reset(self, ranks: np.ndarray) -> None:
         """Forget `ranks` (a restarted process beats again): as if never seen."""
@@ -89,6 +102,11 @@ class RankTracks:
         # interval unless it is in a phase that is not a step.
         self.interval_clean[ranks[moved | left_slow]] = advanced[moved | left_slow]
         self.interval_clean[ranks[slow_now]] = False
+        stint = startup_stint(phase, step, cols.resumed_from[ranks])
+        changed = stint != self.stint[ranks]
+        self.stint_since[ranks[changed]] = clock
+        self.stint_reported[ranks[changed]] = False
+        self.stint[ranks] = stint
         self.seen[ranks] = True
         self.phase[ranks] = phase
         self.pp_stage[ranks] = cols.pp_stage[ranks]
@@ -137,6 +155,12 @@ class RankTracks:
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: ranks with no time yet
             return np.nanmedian(self.recent_times, axis=1)
+
+    def startup_order(self, ranks: np.ndarray) -> np.ndarray:
+        """How far each of `ranks` got in the start: 0 before its first heartbeat (placement),
+        its start-up phase's index, or len(STARTUP_PHASES) once past its first step."""
+        return np.where(self.seen[ranks], np.where(self.stint[ranks] >= 0, self.stint[ranks],
+                                                   len(STARTUP_PHASES)), 0)
 
     def hang_timeouts(self, ranks: np.ndarray, health: HealthSection) -> np.ndarray:
         """The hang timeout of each of `ranks`: the hard ceiling until two advances were seen or

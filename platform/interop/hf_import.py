@@ -2,9 +2,10 @@
 
     state = load_hf_weights("llama-hf", cfg.model)    # checks config.json and every shape
     Transformer(cfg.model).load_state_dict(state)
+    load_hf_pieces("llama-hf", cfg.model, local_pieces(parallel.module))   # a rank's slices only
 
 Reads `model.safetensors`, or the shards a `model.safetensors.index.json` lists, with
-safetensors (memory-mapped, one tensor at a time); nothing is downloaded.
+safetensors (memory-mapped, one tensor or one block at a time); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from longrun.interop.hf import (
     check_fits,
     hf_names,
 )
+from longrun.parallel.pieces import Piece
 
 # Buffers some older exports saved next to the weights; longrun derives them from the config.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -66,12 +68,11 @@ def expected_shapes(model: ModelSection) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_hf_weights(hf_dir: str, model: ModelSection) -> dict[str, torch.Tensor]:
-    """The weights of the HF Llama in `hf_dir` under longrun's names, in their stored dtype
-    (`load_state_dict` casts). HFError naming the problem if its config.json differs from
-    `model`, a tensor is missing or extra, or a shape is off. With tied embeddings the output
-    matrix is the embedding (HF leaves `lm_head.weight` out of tied checkpoints)."""
-    hf_dir = os.fspath(hf_dir)
+def _hf_layout(hf_dir: str, model: ModelSection) -> tuple[dict[str, str], dict[str, str]]:
+    """(longrun name -> HF name, HF name -> its safetensors file) of the HF Llama in `hf_dir`,
+    checked against `model` from the files' headers alone (no tensor is read): HFError naming
+    the problem if its config.json differs, a tensor is missing or extra, or a shape is off.
+    With tied embeddings the output layer is the embedding (HF leaves `lm_head.weight` out)."""
     check_fits(hf_dir, model)
     files = weight_files(hf_dir)
     names = hf_names(model.n_layers)
@@ -85,20 +86,69 @@ def load_hf_weights(hf_dir: str, model: ModelSection) -> dict[str, torch.Tensor]
         shown += [f"not in a longrun model: {', '.join(extra)}"] if extra else []
         raise HFError(f"the weights in {hf_dir} do not fit the job's model: {'; '.join(shown)}")
     shapes = expected_shapes(model)
-    state, wrong = {}, []
+    wrong = []
+    for path, ours_in_file in _by_file(names, files).items():  # each shard opened once
+        with safe_open(path, framework="pt") as f:
+            for ours in ours_in_file:
+                shape = tuple(f.get_slice(names[ours]).get_shape())
+                if shape != shapes[ours]:
+                    wrong.append(f"{names[ours]} is {list(shape)}, the job's model needs "
+                                 f"{list(shapes[ours])}")
+    if wrong:
+        raise HFError(f"the weights in {hf_dir} do not fit the job's model: {'; '.join(wrong)}")
+    return names, files
+
+
+def _by_file(names: dict[str, str], files: dict[str, str]) -> dict[str, list[str]]:
     by_file: dict[str, list[str]] = {}
     for ours, theirs in names.items():
         by_file.setdefault(files[theirs], []).append(ours)
-    for path, ours_in_file in by_file.items():  # each shard opened once
+    return by_file
+
+
+def load_hf_weights(hf_dir: str, model: ModelSection) -> dict[str, torch.Tensor]:
+    """The whole weights of the HF Llama in `hf_dir` under longrun's names, in their stored
+    dtype (`load_state_dict` casts), checked as `_hf_layout` says. A training rank reads only
+    its slices instead (`load_hf_pieces`)."""
+    hf_dir = os.fspath(hf_dir)
+    names, files = _hf_layout(hf_dir, model)
+    state = {}
+    for path, ours_in_file in _by_file(names, files).items():
         with safe_open(path, framework="pt") as f:
             for ours in ours_in_file:
-                tensor = f.get_tensor(names[ours])
-                if tuple(tensor.shape) != shapes[ours]:
-                    wrong.append(f"{names[ours]} is {list(tensor.shape)}, the job's model needs "
-                                 f"{list(shapes[ours])}")
-                state[ours] = tensor
-    if wrong:
-        raise HFError(f"the weights in {hf_dir} do not fit the job's model: {'; '.join(wrong)}")
+                state[ours] = f.get_tensor(names[ours])
     if model.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state
+
+
+def read_slice(f, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+    """The block `index` of tensor `name` in the open safetensors file `f`: only its bytes are
+    read (a memory-mapped file's pages outside the block are never touched)."""
+    return f.get_slice(name)[index]
+
+
+def load_hf_pieces(hf_dir: str, model: ModelSection, pieces: list[Piece]) -> int:
+    """Fill each of this rank's pieces (`parallel/pieces.py`) from the HF Llama in `hf_dir`,
+    reading only the block each piece holds: a rank of a sharded 70B job reads its own
+    gigabytes, not the whole model's. Checked first as `_hf_layout` says (headers only).
+    Returns the bytes read."""
+    hf_dir = os.fspath(hf_dir)
+    names, files = _hf_layout(hf_dir, model)
+    by_name = {piece.name: piece for piece in pieces}
+    unknown = sorted(set(by_name) - set(names))
+    if unknown:
+        raise HFError(f"the job's model has parameters no HF Llama holds: {', '.join(unknown)}")
+    read = 0
+    wanted = {ours: theirs for ours, theirs in names.items() if ours in by_name}
+    with torch.no_grad():
+        for path, ours_in_file in _by_file(wanted, files).items():
+            with safe_open(path, framework="pt") as f:
+                for ours in ours_in_file:
+                    piece = by_name[ours]
+                    if piece.local.numel() == 0:
+                        continue
+                    block = read_slice(f, names[ours], piece.index)
+                    read += block.numel() * block.element_size()
+                    piece.local.copy_(block)
+    return read

@@ -1,8 +1,18 @@
 """Every parallelism a model gets, applied in one place and one fixed order.
 
-    model = Transformer(cfg.model).to(device)
-    parallel = parallelize(model, cfg.dims, cfg.training, span_group=group, mesh=mesh, prime=...)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)                # shapes only: no memory, no values
+    parallel = parallelize(model, cfg.dims, cfg.training, device=device, span_group=group,
+                           mesh=mesh, prime=...)      # this rank's pieces, on `device`
+    init_pieces(local_pieces(parallel.module), cfg.model, seed)   # or a restore fills them
     loss = loss_fn(parallel.forward(tokens, ...))     # DDP, FSDP2 or the plain model around it
+
+The model may come in on the meta device (what the trainer does) or with real weights. On
+meta, nothing is allocated until this rank's pieces are known: the pipeline cut, tensor
+parallelism and FSDP's sharding all apply to shapes, and memory is given (`to_empty`) to what
+this rank keeps, just before DDP, which needs real tensors, or just after FSDP, which shards
+meta parameters as it would real ones. No rank ever holds the whole model: at 70B that is
+282 GB of fp32 per rank. The values come after, from `weights_init.py` or a restore.
 
 The order matters and is the one torchtitan and Megatron use; each step assumes the ones
 before it:
@@ -26,7 +36,8 @@ before it:
    (`data_parallel.py`). Where weights are DTensors (fsdp or tp > 1): FSDP2 (`fsdp.py`) on the
    mesh's ("replicate", "shard") dimensions, which shards parameters, gradients and optimizer
    state over "shard" and all-reduces across "replicate" (HSDP; pure replication when fsdp is
-   1, so TP x DP and TP x CP compose through the same path).
+   1, so TP x DP and TP x CP compose through the same path). The model is materialised on
+   `device` here (`materialise`): before DDP, after FSDP.
 """
 
 from __future__ import annotations
@@ -46,17 +57,43 @@ from longrun.parallel.parallel_model import ParallelModel
 from longrun.parallel.pipeline import PipelinedModel, PipelinePlan, StageDDP
 
 
+def materialise(module: torch.nn.Module, device: torch.device) -> None:
+    """Give a module built on the meta device memory on `device` (its values are undefined
+    until initialised or restored) and compute its derived buffers (the rotary tables). A
+    module that already has memory is moved to `device` instead."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        # `to_empty` gives a plain parameter leaving meta a new Parameter object per module that
+        # holds it, which would untie tied embeddings: remember who shares one and tie again.
+        holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is not None:
+                    holders.setdefault(id(param), []).append((sub, name))
+        module.to_empty(device=device)
+        for (first, first_name), *others in (h for h in holders.values() if len(h) > 1):
+            for sub, name in others:
+                setattr(sub, name, getattr(first, first_name))
+        for sub in module.modules():
+            init_buffers = getattr(sub, "init_buffers", None)
+            if callable(init_buffers):
+                init_buffers()
+    else:
+        module.to(device)
+
+
 def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSection, *,
                 span_group: dist.ProcessGroup | None, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True,
+                device: torch.device | str = "cpu", reshard_after_forward: bool = True,
                 prime: Callable[[torch.nn.Module], torch.Tensor] | None = None,
                 pipeline: PipelinePlan | None = None) -> ParallelModel:
-    """`model` with every parallelism in `dims` applied, in place; gradients are summed over
-    `span_group` (the dims.span ranks; None: one process, no communication). Where the weights
-    are sharded (dims.sharded) `mesh` is the job's ("replicate", "shard", "tp") device mesh
-    (`ParallelGroups.device_mesh`; under pipeline parallelism, this stage's). `prime` is a tiny
-    loss DDP runs once so its bucket layout is fixed before the first real step (see
+    """`model` with every parallelism in `dims` applied, in place, this rank's part of it on
+    `device` (built on meta: uninitialised; see the module docstring); gradients are summed
+    over `span_group` (the dims.span ranks; None: one process, no communication). Where the
+    weights are sharded (dims.sharded) `mesh` is the job's ("replicate", "shard", "tp") device
+    mesh (`ParallelGroups.device_mesh`; under pipeline parallelism, this stage's). `prime` is a
+    tiny loss DDP runs once so its bucket layout is fixed before the first real step (see
     data_parallel.py). `pipeline`: this rank's place in the pipeline, where dims.pp > 1."""
+    device = torch.device(device)
     if dims.sharded and mesh is None:
         raise ValueError(f"parallelism.fsdp = {dims.fsdp} and tp = {dims.tp} shard the weights: "
                          "pass the device mesh (ParallelGroups.device_mesh)")
@@ -76,20 +113,21 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSe
     # Step 3: activation checkpointing.
     apply_activation_checkpointing(model, training.activation_checkpointing)
     # Step 4 (compile): not configured.
-    # Step 5: gradient synchronisation.
+    # Step 5: gradient synchronisation, and memory for this rank's pieces.
     if pipe is not None:
-        _sync_stages(pipe, dims, training, span_group=span_group, mesh=mesh)
+        _sync_stages(pipe, dims, training, span_group=span_group, mesh=mesh, device=device)
         return pipe
     if not dims.sharded:
+        materialise(model, device)
         return DataParallel(model, span_group, bucket_mb=training.grad_sync_bucket_mb, prime=prime)
     from longrun.parallel.fsdp import apply_fsdp, mixed_precision
     from longrun.parallel.sharded_model import ShardedModel
 
     root = None
     if dims.span > 1:
-        device = next(model.parameters()).device
         root = apply_fsdp(model, _span_mesh(dims, mesh), reshard_after_forward=reshard_after_forward,
                           mp_policy=mixed_precision(device, training.dtype))
+    materialise(model, device)
     return ShardedModel(model, span_group, fsdp_root=root, tensor_parallel=dims.tp > 1)
 
 
@@ -99,22 +137,26 @@ def _span_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
 
 
 def _sync_stages(pipe: PipelinedModel, dims: ParallelDims, training: TrainingSection, *,
-                 span_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> None:
+                 span_group: dist.ProcessGroup | None, mesh: DeviceMesh | None,
+                 device: torch.device) -> None:
     """Each stage module under its data parallelism (the schedule turns the sync off for every
     micro-batch but the last): FSDP2 where the weights are sharded, without resharding after
-    forward (a stage runs many micro-batches before their backwards); DDP otherwise."""
+    forward (a stage runs many micro-batches before their backwards); DDP otherwise. This
+    rank's stages (`pipe.module`) get their memory here: before DDP, after FSDP."""
     if dims.tp > 1:
         pipe.loss_context = loss_parallel
     if dims.span == 1:
+        materialise(pipe.module, device)
         return
     if not dims.sharded:
+        materialise(pipe.module, device)
         pipe.wrapped = [summing_ddp(stage, span_group, bucket_mb=training.grad_sync_bucket_mb, kind=StageDDP)
                         for stage in pipe.stage_modules]
         pipe.prime()
         return
     from longrun.parallel.fsdp import apply_fsdp, mixed_precision
 
-    device = next(pipe.module.parameters()).device
     for stage in pipe.stage_modules:
         apply_fsdp(stage, _span_mesh(dims, mesh), reshard_after_forward=False,
                    mp_policy=mixed_precision(device, training.dtype))
+    materialise(pipe.module, device)

@@ -22,9 +22,13 @@ What longrun decides, and why:
   the global batch's loss-token count, with the schedule's own gradient scaling off
   (`scale_grads=False`): scaling by the micro-batch count as well would shrink the gradients
   silently (torchtitan's fix for the same issue).
-- **Micro-batches at least the stages.** A step has as many micro-batches as the busiest rank
-  of its data-parallel span packs (as without PP), padded with empty ones up to the number of
-  stages a schedule needs; the schedule is built again only when that count changes.
+- **One micro-batch count per job, none empty.** Every step runs the job's count
+  (`config.memory.pipeline_micro_batches`: training.grad_accum, or the micro-batches per rank
+  the global batch holds), which the config check holds to what the schedule runs (at least
+  one per stage, a multiple of pp when interleaved). The feed packs each step's global batch
+  into exactly that many per rank (`data/fixed_bins.py`), so no full-length empty micro-batch is
+  computed, and the schedule is built once, on the first step. A step of another count is
+  refused; `empty_micro_batches` counts the idle ones (None) a caller handed in.
 - **Data parallelism per stage.** DDP (`StageDDP`: a summing hook, as `data_parallel.py`) or
   FSDP2 wraps each stage module; the stage runs every micro-batch but the last without
   gradient sync.
@@ -62,6 +66,7 @@ from longrun.parallel.parallel_model import ParallelModel
 from longrun.parallel.schedules import (
     MULTI_STAGE,
     SCHEDULE_NAMES,
+    micro_batches_to_run,
     stage_layers,
     stages_of_rank,
     stages_per_rank,
@@ -160,6 +165,10 @@ class PipelinedModel(ParallelModel):
     calls)."""
 
     syncs_every_micro_batch = True
+    # Micro-batches with no document (handed in as None) of the last step, and of every step
+    # so far: a whole micro-batch of compute each. The feed never hands one in.
+    empty_micro_batches = 0
+    empty_micro_batches_total = 0
 
     def __init__(self, model: Transformer, *, pp: int, plan: PipelinePlan,
                  span_group: dist.ProcessGroup | None):
@@ -175,7 +184,9 @@ class PipelinedModel(ParallelModel):
         ranges = stage_layers(model.cfg.n_layers, self.n_stages, plan.layers_per_stage)
         held = sorted(i for s in self.stage_ids for i in ranges[s])
         first, last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
-        parts = PipelineParts(model, held, first=first, last=last).to(plan.device)
+        # Still on the meta device when the trainer built it so: `parallelize` gives this
+        # rank's stages memory once they are sharded, and the other stages never get any.
+        parts = PipelineParts(model, held, first=first, last=last)
         super().__init__(parts, span_group)
         self.device = plan.device
         self.first, self.last = first, last
@@ -239,23 +250,31 @@ class PipelinedModel(ParallelModel):
         return cls(stages[0], n_microbatches=n, loss_fn=self._loss, scale_grads=False)
 
     def micro_batches_needed(self, n: int) -> int:
-        """A step of `n` micro-batches runs as this many (the schedule needs one per stage at
-        least; the interleaved ones a multiple of pp)."""
-        n = max(n, self.n_stages if self.schedule_name in MULTI_STAGE else self.pp)
-        if self.schedule_name in MULTI_STAGE:
-            n = -(-n // self.pp) * self.pp
-        return n
+        """The fewest micro-batches, at least `n`, the schedule runs (one per stage at least;
+        the interleaved ones a multiple of pp): a step must have exactly that many."""
+        return micro_batches_to_run(self.schedule_name, self.pp, self.n_stages, n)
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch | None], loss_tokens) -> Tensor:
-        """Forward and backward of a step's micro-batches (None: an empty one) through the
-        pipeline; gradients of the global batch's mean token loss accumulate in .grad. Returns
-        this rank's share of that loss (its micro-batches' token losses over `loss_tokens`;
-        nonzero on the last stage only)."""
-        batches = [mb if mb is not None else self._empty() for mb in micro_batches]
-        n = self.micro_batches_needed(len(batches))
-        batches += [self._empty() for _ in range(n - len(batches))]
-        if n != self._micro_batches:
+        """Forward and backward of a step's micro-batches (None: an empty one, counted in
+        `empty_micro_batches`) through the pipeline; gradients of the global batch's mean token
+        loss accumulate in .grad. Every step has the job's one count, a count the schedule runs:
+        the schedule is built for it on the first step and never again. Returns this rank's
+        share of that loss (its micro-batches' token losses over `loss_tokens`; nonzero on the
+        last stage only)."""
+        n = len(micro_batches)
+        if self._schedule is not None and n != self._micro_batches:
+            raise ValueError(f"this pipeline runs {self._micro_batches} micro-batches per step (the "
+                             f"job's count, fixed), got {n}")
+        if self.micro_batches_needed(n) != n:
+            raise ValueError(
+                f"{self.schedule_name} over {self.n_stages} stages cannot run a step of {n} micro-batches "
+                f"(the fewest it runs from there: {self.micro_batches_needed(n)}); set training.grad_accum "
+                "or training.global_batch_tokens to give a count it runs")
+        if self._schedule is None:
             self._schedule, self._micro_batches = self._build_schedule(n), n
+        self.empty_micro_batches = sum(mb is None for mb in micro_batches)
+        self.empty_micro_batches_total += self.empty_micro_batches
+        batches = [mb if mb is not None else self._empty() for mb in micro_batches]
         self.streams[:] = [self._stream(mb) for mb in batches]
         self._loss_tokens = loss_tokens
         # On the host: each stage reads its micro-batch's index in Python (no device sync).

@@ -4,6 +4,7 @@ and the memory planner read it; `pipeline.py` runs them).
     stage_layers(32, 8)                        # the transformer blocks of each of 8 stages
     stages_of_rank(1, pp=4, virtual=2, schedule="interleaved_1f1b")   # [1, 5]
     bubble_fraction("1f1b", pp=4, micro_batches=8)                    # 0.27: idle share of a step
+    micro_batches_to_run("interleaved_1f1b", pp=4, stages=8, n=17)   # 20: 17 is refused at config time
 
 Single-stage schedules give each pipeline rank one stage; the multi-stage ones give it
 `parallelism.pp_virtual_stages` of them, looped (rank r holds r, r + pp, ...) or V-shaped
@@ -32,6 +33,15 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
 
 def total_stages(schedule: str, pp: int, virtual_stages: int) -> int:
     return pp * stages_per_rank(schedule, virtual_stages)
+
+
+def micro_batches_to_run(schedule: str, pp: int, stages: int, n: int) -> int:
+    """The fewest micro-batches, at least `n`, that `schedule` runs on `pp` ranks holding
+    `stages` stages in all: one per stage at least, and for the multi-stage schedules a
+    multiple of pp (torch's interleaved rounds). A step runs exactly its job's count
+    (`config.memory.pipeline_micro_batches`), which the config check holds to this."""
+    n = max(n, stages)
+    return -(-n // pp) * pp if schedule in MULTI_STAGE else n
 
 
 def stage_layers(n_layers: int, stages: int, layers: Sequence[int] | None = None) -> list[range]:

@@ -8,6 +8,7 @@ the job record is rebuilt from the checkpoint directory when a server is lost.
 from __future__ import annotations
 
 import contextlib
+import resource
 import secrets
 import shutil
 import time
@@ -20,6 +21,23 @@ import redis
 from longrun.services.process import EmbeddedServer, ManagedProcess, ServiceError
 
 INSTALL_HINT = "install it with: apt-get update && apt-get install -y redis-server (or run scripts/bootstrap)"
+
+# Connections to size for: a training rank keeps to two (worker/redis_links.py), so 16,384 ranks
+# are 32,768, plus a heartbeat agent per node (2,048 at 8 ranks a node), the controller's few
+# and operators' `status`: 40,000, as deploy/ sizes its Redis (Redis's default is 10,000).
+MAXCLIENTS = 40_000
+RESERVED_FDS = 32  # descriptors Redis keeps beside its clients (maxclients + 32 in all)
+
+
+def maxclients() -> int:
+    """MAXCLIENTS, or fewer where this process's hard limit of open files (which redis-server
+    inherits) cannot hold them: Redis raises its own soft limit up to the hard one for
+    maxclients + 32 descriptors, and past it would lower maxclients itself with a warning; this
+    asks for what it can have."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return MAXCLIENTS
+    return max(1, min(MAXCLIENTS, hard - RESERVED_FDS))
 
 
 def find_redis_server() -> str:
@@ -107,6 +125,7 @@ class EmbeddedRedis(EmbeddedServer):
             "protected-mode yes\n"
             f"requirepass {self.password}\n"
             "daemonize no\n"
+            f"maxclients {maxclients()}\n"
             "loglevel notice\n"
             f"dir {data_dir}\n"
             f"{persistence}"

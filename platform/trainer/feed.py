@@ -9,7 +9,9 @@ prefetch thread.
 
 Every rank of the span draws the same global batch of `cfg.global_batch_tokens` tokens from the
 one global order, so `state` is the same on every rank and names no rank or layout: it loads
-at any world size, and a job resumed on fewer or more ranks trains the same batches.
+at any world size, and a job resumed on fewer or more ranks trains the same batches. Under
+pipeline parallelism the draw packs each global batch straight into the job's fixed count of
+micro-batches per rank (`fixed_bins.py`; at most that many x micro_batch_tokens x the span).
 
 The prefetch thread runs ahead of training, so the live sampler is never the position to save:
 each step's work carries the position after it, and only a step marked done moves `state`.
@@ -24,12 +26,14 @@ from typing import Any
 import torch
 
 from longrun.config import JobConfig
+from longrun.config.memory import pipeline_micro_batches
 from longrun.data.corpus import Corpus
 from longrun.data.documents import DocumentSampler
+from longrun.data.fixed_bins import pipeline_batches
 from longrun.data.mixture import MixtureSampler
 from longrun.data.packing import Prefetcher, global_batches
 from longrun.trainer.cp.batches import ContextParallelSetup, planned_steps
-from longrun.trainer.step import StepWork, data_parallel_step, planned_step
+from longrun.trainer.step import StepWork, data_parallel_step, pipeline_step, planned_step
 
 
 class StepFeed:
@@ -51,12 +55,19 @@ class StepFeed:
         if self._prefetcher is None:
             self.sampler.load_state_dict(self.state)
             budget = self.cfg.data.micro_batch_tokens
-            batches = global_batches(self.corpus, self.sampler, self.cfg.global_batch_tokens)
             source: Any
-            if self.cp is None:
+            if self.cfg.dims.pp > 1:
+                # The schedule runs the job's one count of micro-batches, each full length:
+                # the draw packs every step into exactly that many per rank, none empty.
+                count = pipeline_micro_batches(self.cfg.training, self.cfg.data, self.cfg.dims)
+                packed = pipeline_batches(self.corpus, self.sampler, count * self.ranks, budget)
+                source = (pipeline_step(batch, self.corpus, self.rank, self.ranks) for batch in packed)
+            elif self.cp is None:
+                batches = global_batches(self.corpus, self.sampler, self.cfg.global_batch_tokens)
                 source = (data_parallel_step(batch, self.corpus, self.rank, self.ranks, budget)
                           for batch in batches)
             else:
+                batches = global_batches(self.corpus, self.sampler, self.cfg.global_batch_tokens)
                 source = planned_steps(batches, self.corpus, self.cp, budget)
             self._prefetcher = Prefetcher(source, self.cfg.data.prefetch)
         return self._prefetcher

@@ -10,7 +10,6 @@ Tokens never attend across documents; how that is computed is `packed_attention.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,11 +52,24 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
         # Not persistent: derived from the config, so checkpoints stay weights-only.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Compute the tables where the buffers are (again after `to_empty` gave them memory:
+        a model built on the meta device has none). Computed on the host in float64, so every
+        device gets the same values."""
+        if self.cos.is_meta:
+            return
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        inv_freq = 1.0 / self.theta**exponents
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
+        self.cos.copy_(angles.cos().float())
+        self.sin.copy_(angles.sin().float())
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # [T, 1, head_dim/2]: broadcast over heads.
@@ -183,26 +195,19 @@ class Transformer(nn.Module):
         # Streams are padded to a multiple of this many tokens (tensor parallelism sets it to
         # tp: sequence parallelism gives each TP rank an equal share of the tokens).
         self.sequence_multiple = 1
-        self.init_weights()
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, 0.02) everywhere; the projections that write into the residual stream
-        (attention wo, MLP w2) scaled by 1/sqrt(2 n_layers), so the stream's variance does not
-        grow with depth (GPT-2). Draws from torch's global RNG in a fixed module order."""
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers:
-            attn, ff = block.attention, block.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ff.w1, ff.w3):
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (attn.wo, ff.w2):
-                nn.init.normal_(lin.weight, std=out_std)
-            block.attention_norm.weight.fill_(1.0)
-            block.ffn_norm.weight.fill_(1.0)
-        self.norm.weight.fill_(1.0)
-        if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+    def init_weights(self, seed: int | None = None) -> None:
+        """The initial weights (`weights_init.py`: per parameter and row, from `seed`; default
+        torch's initial seed, so `torch.manual_seed(s); Transformer(cfg)` is reproducible). The
+        same values as every sharded layout of the same seed starts with. Built under
+        `torch.device("meta")` the model has no storage and is not initialised: the trainer
+        shards it first, then fills only this rank's pieces."""
+        from longrun.parallel.pieces import local_pieces
+        from longrun.trainer.weights_init import init_pieces
+
+        init_pieces(local_pieces(self), self.cfg, torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None = None, *,
                 context_parallel: ContextParallelAttention | None = None) -> Tensor:

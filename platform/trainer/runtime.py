@@ -36,7 +36,9 @@ def rng_state() -> dict[str, Any]:
                        float(gauss)),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's device only: every GPU of the node is visible to every rank (Ray's masking
+        # is off), and asking for all of them would start a CUDA context on each.
+        state["cuda"] = [torch.cuda.get_rng_state(torch.cuda.current_device())]
     return state
 
 
@@ -47,7 +49,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
                          gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state, this rank's device's (a rank saw only its own GPU before the masking went
+        # off, so older checkpoints hold one too).
+        torch.cuda.set_rng_state(state["cuda"][0], torch.cuda.current_device())
 
 
 def peak_memory_bytes(device: torch.device) -> int:

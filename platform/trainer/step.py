@@ -8,7 +8,9 @@ parallelism `data_parallel_step` splits it: whole documents, longest first to th
 rank (`split_among_ranks`), each rank's packed into micro-batches of at most
 data.micro_batch_tokens (`pack_first_fit`), every rank running as many micro-batches as the
 busiest one (idle ones pad). Every rank computes the same split from the lengths alone, and
-reads only its own documents. Under context parallelism (`cp/batches.py`) the planner splits
+reads only its own documents. Under pipeline parallelism the draw itself packed the batch into
+the job's fixed count of micro-batches per rank (`fixed_bins.py`) and `pipeline_step` deals them
+out: no rank is ever idle there. Under context parallelism (`cp/batches.py`) the planner splits
 it instead, and a micro-batch may be a slice of documents spread over a CP group. Both become
 a `StepWork`, and the trainer has one forward/backward path over it.
 """
@@ -115,6 +117,21 @@ def data_parallel_step(batch: GlobalBatch, corpus: Corpus, rank: int, n_ranks: i
               for share in split_among_ranks(batch.lengths, n_ranks)]
     work = [MicroBatchWork(mb, mb) for mb in (_read(batch, corpus, positions) for positions in packed[rank])]
     work += [MicroBatchWork(None, None)] * (max(map(len, packed)) - len(work))
+    return StepWork(work, loss_tokens=batch.loss_tokens, sampler_state=batch.sampler_state)
+
+
+def pipeline_step(batch: GlobalBatch, corpus: Corpus, rank: int, n_ranks: int) -> StepWork:
+    """This rank's part of a global batch the draw packed into a fixed count of micro-batches
+    (`fixed_bins.pipeline_batches`, under pipeline parallelism): every `n_ranks`-th of them,
+    from the `rank`-th on, so every rank runs the same count, each with real tokens. The ranks
+    compute the same deal from the batch alone."""
+    bins = batch.micro_batches
+    if bins is None or len(bins) % n_ranks:
+        raise ValueError(f"a pipeline step needs a global batch packed into a multiple of the span's "
+                         f"{n_ranks} ranks, got {None if bins is None else len(bins)} micro-batches")
+    # The draw leaves no bin empty; one that were would run idle (the pipeline counts those).
+    mine = [_read(batch, corpus, list(positions)) if positions else None for positions in bins[rank::n_ranks]]
+    work = [MicroBatchWork(mb, mb) for mb in mine]
     return StepWork(work, loss_tokens=batch.loss_tokens, sampler_state=batch.sampler_state)
 
 

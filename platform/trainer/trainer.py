@@ -46,15 +46,13 @@ from longrun.data.documents import build_corpus
 from longrun.data.mixture import build_sampler
 from longrun.data.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
 from longrun.data.tokenizers import load_tokenizer
-from longrun.interop.hf_import import load_hf_weights
 from longrun.kinds import Phase
-from longrun.parallel.parallelize import parallelize
-from longrun.parallel.pipeline import PipelinedModel, PipelinePlan
+from longrun.parallel.pipeline import PipelinedModel
+from longrun.trainer.build import build_model, initialise
 from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch
 from longrun.trainer.cp.planner import Plan
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.feed import StepFeed
-from longrun.trainer.model import FlopsModel, Transformer
 from longrun.trainer.optim import build_optimizer
 from longrun.trainer.progress import ProgressPrinter, StepMetrics
 from longrun.trainer.runtime import (
@@ -86,7 +84,7 @@ class Trainer:
                  dp_group: dist.ProcessGroup | None = None,
                  context_parallel: ContextParallelSetup | None = None,
                  mesh: DeviceMesh | None = None, pipeline_group: dist.ProcessGroup | None = None,
-                 peak_flops: float | None = None, progress: bool = True, load_init_from: bool = True):
+                 peak_flops: float | None = None, progress: bool = True, init_weights: bool = True):
         self.cfg = cfg
         # Told the phase the step is entering (data, forward, backward, sync, optimizer): the
         # worker puts it in its heartbeat, so a hang report says where the rank was stuck.
@@ -94,16 +92,6 @@ class Trainer:
         self.device = resolve_device(cfg.cluster.device, device)
         self.peak_flops = peak_flops
         seed_everything(cfg.job.seed)
-        # Initialised on the CPU, then moved: the same weights whatever the device.
-        self.model = Transformer(cfg.model)
-        if cfg.model.init_from and load_init_from:
-            # Whole weights on every rank, before parallelize() shards them (TP, FSDP). A worker
-            # that is about to restore a checkpoint skips this (load_init_from=False).
-            self.model.load_state_dict(load_hf_weights(cfg.model.init_from, cfg.model))
-        # A pipeline rank moves only its own stages to the device (after parallelize cut them).
-        if pipeline_group is None:
-            self.model = self.model.to(self.device)
-        self.flops = FlopsModel.of(self.model)  # the whole model's, whatever this rank keeps of it
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
         # Under context parallelism gradients are summed over all dp x cp ranks (each rank
         # back-propagates its own tokens' loss; the ring returns dK/dV to their owners).
@@ -113,21 +101,17 @@ class Trainer:
                              "ranks), not both")
         # Where the weights are sharded (fsdp or tp > 1), `mesh` is the job's device mesh.
         span_group = context_parallel.span_group if context_parallel is not None else dp_group
-        if (cfg.dims.pp > 1) != (pipeline_group is not None):
-            raise ValueError(f"parallelism.pp = {cfg.dims.pp}: pass the pipeline group exactly when pp > 1")
-        pipeline = None
-        if pipeline_group is not None:
-            pipeline = PipelinePlan(pipeline_group, dist.get_rank(pipeline_group),
-                                    schedule=cfg.training.pp_schedule,
-                                    virtual_stages=cfg.parallelism.pp_virtual_stages,
-                                    layers_per_stage=cfg.parallelism.pp_layers,
-                                    micro_batch_tokens=cfg.data.micro_batch_tokens, device=self.device)
-        self.parallel = parallelize(self.model, cfg.dims, cfg.training, span_group=span_group,
-                                    mesh=mesh, prime=self._priming_loss, pipeline=pipeline,
-                                    reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-        # Under pipeline parallelism this rank keeps only its stages' pieces (the rest is freed).
+        # Built on the meta device: this rank's pieces alone get memory (build.py).
+        self.parallel, self.flops = build_model(cfg, self.device, span_group=span_group, mesh=mesh,
+                                                pipeline_group=pipeline_group, prime=self._priming_loss)
+        # Under pipeline parallelism this rank keeps only its stages' pieces.
         self.model = self.parallel.module
         self.pipeline = self.parallel if isinstance(self.parallel, PipelinedModel) else None
+        # The values: the job's initial weights now, or (init_weights=False: a worker about to
+        # restore) whatever the restore brings; `init_weights()` when nothing could be restored.
+        self.initialised = False
+        if init_weights:
+            self.init_weights()
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
@@ -152,6 +136,13 @@ class Trainer:
                                         layout=self.layout) if progress else None)
         log.info("model: %s parameters on this rank, %d documents in the corpus",
                  f"{sum(p.numel() for p in self.model.parameters()):,}", len(self.corpus))
+
+    def init_weights(self) -> None:
+        """Give this rank's pieces the job's initial weights (`build.initialise`: seeded, or
+        model.init_from's slices): the same values at every layout."""
+        seconds = initialise(self.model, self.cfg)
+        self.initialised = True
+        log.info("initial weights of this rank's pieces in %.1f s", seconds)
 
     def close(self) -> None:
         """Stop the data thread. The sampler may then be repositioned; training may go on."""

@@ -11,34 +11,22 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 from longrun import keys
 from longrun.config import JobConfig
 from longrun.failures import carried
-from longrun.goodput.ledger import StepLedger, step_ledger_client
+from longrun.goodput.ledger import StepLedger
 from longrun.health.heartbeat import AgentLink, HeartbeatPublisher, agent_address
 from longrun.kinds import FaultKind, Phase
 from longrun.observability.discovery import advertised_address
 from longrun.observability.metrics import WorkerMetrics
 from longrun.parallel.dims import coords_of
-from longrun.services.redis_client import patient_client, quick_client
 from longrun.worker.rank_log import RankLogShipper
+from longrun.worker.redis_links import RankRedis
 
 log = logging.getLogger(__name__)
-
-
-class InitFromSkipped(RuntimeError):
-    """The worker skipped reading model.init_from because a checkpoint was there to restore,
-    and then none could be restored: starting from random weights would be silently wrong."""
-
-    fault_kind = FaultKind.FATAL
-
-    def __init__(self, path: str):
-        super().__init__(
-            f"committed checkpoints exist, so model.init_from ({path}) was not read, but none of them "
-            "could be restored (see the restore warnings above); repair or remove them to start "
-            "again from model.init_from")
 
 
 class TrainWorker:
@@ -55,6 +43,7 @@ class TrainWorker:
         self.cfg: JobConfig | None = None
         self.metrics_port: int | None = None
         self._groups = None  # the attempt's communication groups, torn down when run() ends
+        self._links = None  # this rank's two Redis connections (worker/redis_links.py), from first use
 
     @carried
     def warm(self) -> float:
@@ -92,6 +81,14 @@ class TrainWorker:
         self.resume_before_step = resume_before_step
         self.skip_steps = [tuple(w) for w in skip_steps or ()]  # [first, last] windows not to train on
 
+    def _redis(self):
+        """This rank's Redis connections (two at most, whatever it does: worker/redis_links.py),
+        opened on first use, closed when run() ends."""
+        if self._links is None:
+            self._links = RankRedis(self.redis_url, self.cfg.job.name, self.attempt, self.rank,
+                                    patience_s=self.cfg.health.store_patience_s)
+        return self._links
+
     def node_id(self) -> str:
         import ray
 
@@ -116,13 +113,18 @@ class TrainWorker:
         cfg = self.cfg
         per_node = cfg.cluster.workers_per_node
         node_index, local_rank = divmod(self.rank, per_node)
+        links = self._redis()
         store = None
         if per_node > 1 and "collective" in cfg.recovery.diagnostics:
             prefix = f"{keys.attempt_prefix(cfg.job.name, self.attempt)}diag:{node_index}:"
-            store = (RedisStore(self.redis_url, namespace=prefix), local_rank, per_node)
+            store = (RedisStore(self.redis_url, namespace=prefix, links=links.store()), local_rank, per_node)
+        # The self-check's all-reduce fails fast (a node that cannot sum a small tensor among its
+        # own workers in 30 s fails its check), never later than the job's collective timeout.
+        timeout = timedelta(seconds=min(30.0, cfg.health.collective_timeout_s))
         report = run_diagnostics(cfg.recovery.diagnostics, node=self.node_ids[node_index],
-                                 rank=self.rank, device=worker_device(cfg), redis_url=self.redis_url,
-                                 node_group=store)
+                                 rank=self.rank, device=worker_device(cfg, self.rank),
+                                 redis_url=self.redis_url, node_group=store, store_client=links.client,
+                                 collective_timeout=timeout)
         return {"node": report.node, "rank": report.rank, "ok": report.ok, "reason": report.reason,
                 "checks": [(c.name, c.ok, c.seconds, c.detail) for c in report.checks]}
 
@@ -130,17 +132,16 @@ class TrainWorker:
     def run(self) -> dict[str, Any]:
         """Join the groups, build the trainer, restore, train to the end; rank's summary."""
         cfg = self.cfg
-        # Heartbeats fail fast (the next interval retries); commit reports must survive a
-        # Redis restart, so they go through the patient client.
-        client = quick_client(self.redis_url)
+        # Everything this rank sends to Redis shares one connection that fails fast (heartbeats,
+        # the step ledger and the log shipper retry on their own); commit reports must survive a
+        # Redis restart, so they go through its patient view; the rendezvous store has the second.
+        links = self._redis()
+        client, ledger_client = links.client, links.patient
         # This rank's log lines go to the controller (its log file, shared warnings once), not
-        # through Ray to the console; shipped on a client that fails fast, like the ledger's.
-        shipper = RankLogShipper(step_ledger_client(self.redis_url), cfg.job.name, self.attempt,
-                                 self.rank).start()
-        ledger_client = patient_client(self.redis_url, cfg.health.store_patience_s)
+        # through Ray to the console.
+        shipper = RankLogShipper(client, cfg.job.name, self.attempt, self.rank).start()
         # The step ledger (goodput) is written every step: a Redis away must not stall training.
-        self.step_ledger = StepLedger(step_ledger_client(self.redis_url), cfg.job.name, self.attempt,
-                                      self.rank)
+        self.step_ledger = StepLedger(client, cfg.job.name, self.attempt, self.rank)
         node_index = self.rank // cfg.cluster.workers_per_node
         node = self.node_ids[node_index]
         # At scale the beat goes to this node's agent (controller/agents.py started it before us).
@@ -158,6 +159,7 @@ class TrainWorker:
             beat.update(phase=Phase.SETUP, metrics_addr=address,
                         pp_stage=coords_of(cfg.dims, self.rank).pp if cfg.dims.pp > 1 else None)
             summary = self._train(beat, metrics, ledger_client, client)
+            beat.stop(final_phase=Phase.DONE)
         except BaseException as exc:
             # Into this rank's log file too (the traceback Ray prints goes only to Ray's log).
             log.error("rank %d stops: %s: %s", self.rank, type(exc).__name__, exc,
@@ -172,12 +174,9 @@ class TrainWorker:
             if self._groups is not None:
                 self._groups.teardown()
             metrics.close()
-            client.close()
-            ledger_client.close()
-            self.step_ledger.client.close()
-            shipper.close()
-            shipper.client.close()
-        beat.stop(final_phase=Phase.DONE)
+            shipper.close()  # its last lines go out on the rank's connection, closed next
+            self._links, links = None, self._links
+            links.close()
         return summary | {"rank": self.rank, "metrics_port": self.metrics_port}
 
     def _train(self, beat: HeartbeatPublisher, metrics: WorkerMetrics, ledger_client, client):
@@ -186,21 +185,29 @@ class TrainWorker:
         from longrun.health.faults import FaultInjector
         from longrun.worker.hooks import StepHooks
         from longrun.worker.preemption import Preempted, PreemptionWatch
-        from longrun.worker.setup import build_trainer, has_committed_checkpoint, join_groups, worker_device
+        from longrun.worker.setup import (
+            build_trainer,
+            calibrate_context_parallel,
+            has_committed_checkpoint,
+            join_groups,
+            start_weights,
+            worker_device,
+        )
 
+        # The start-up phases, each judged by its own deadline (health/startup.py): setup (until
+        # here), rendezvous, build, restore, init, calibration, then the first step.
         cfg, groups = self.cfg, None
-        device = worker_device(cfg)
+        device = worker_device(cfg, self.rank)
         if cfg.world_size > 1:
             beat.update(phase=Phase.RENDEZVOUS)
             groups = self._groups = join_groups(cfg, rank=self.rank, attempt=self.attempt,
                                                 redis_url=self.redis_url, node_ids=self.node_ids,
-                                                device=device)
+                                                device=device, links=self._redis().store())
             metrics.observe_init_timings(groups.timings)
-        # A job starting from a Hugging Face model reads it unless a committed checkpoint will
-        # replace it (a memory snapshot alone is not enough: if it fails verification, storage
-        # may hold nothing to fall back to).
-        resuming = bool(cfg.model.init_from) and has_committed_checkpoint(cfg)
-        trainer, replicas = build_trainer(cfg, groups, device, resuming=resuming)
+        # Only this rank's pieces of the model get memory; their values come from the restore
+        # below or, when nothing is restored, from the job's initialisation (start_weights).
+        beat.update(phase=Phase.BUILD)
+        trainer, replicas = build_trainer(cfg, groups, device)
         with trainer:
             hooks = StepHooks(beat, metrics)
             hooks.ledger = self.step_ledger
@@ -219,8 +226,14 @@ class TrainWorker:
                                                    on_drop=metrics.snapshot_dropped)
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
-            if resuming and not resumed_from:
-                raise InitFromSkipped(cfg.model.init_from)
+            if not resumed_from:
+                hooks.phase(Phase.INIT)
+            start_weights(trainer, resumed_from, checkpoints_expected=bool(cfg.model.init_from)
+                          and has_committed_checkpoint(cfg))
+            if cfg.dims.cp_enabled:
+                hooks.phase(Phase.CALIBRATION)
+            calibrate_context_parallel(cfg, trainer)
+            hooks.begin_training()
             preempted = False
             try:
                 trainer.train(on_step=hooks.after_step)

@@ -63,6 +63,7 @@ class StepHooks:
         self.ledger: StepLedger | None = None  # the step ledger, for goodput
         # This step's seconds blocked on the data, a checkpoint and a snapshot (for the ledger).
         self._blocked = dict.fromkeys(("data_s", "checkpoint_s", "snapshot_s"), 0.0)
+        self._restore: tuple[int | None, str, float, int | None] | None = None  # until training begins
 
     def attach(self, trainer: Trainer) -> StepHooks:
         self.trainer = trainer
@@ -149,16 +150,35 @@ class StepHooks:
             self.metrics.checkpoint_committed(result.step, time.time())
 
     def restored(self, step: int | None, committed_at: float, *, source: str, seconds: float) -> None:
-        """The attempt's restore: from `source`, `step` (None: nothing to resume from)."""
+        """The attempt's restore: from `source`, `step` (None: nothing to resume from). It goes
+        on the step ledger when training begins (`begin_training`): what comes between (the
+        initial weights when nothing was restored, CP's calibration) is start-up, not a step."""
         self.metrics.observe_restore(source, seconds)
-        if self.ledger is not None:  # training begins now
-            self.ledger.restored(step, "none" if step is None else source, seconds)
-            self._blocked = dict.fromkeys(self._blocked, 0.0)
+        nbytes = self._restored_bytes() if step is not None else None
+        self._restore = (step, "none" if step is None else source, seconds, nbytes)
         if step is None:
             return
         if source == "storage":  # a memory snapshot is no committed checkpoint: the age alert stays true
             self.metrics.checkpoint_committed(step, committed_at)
         self.beat.update(step=step, resumed_from=step)
+
+    def begin_training(self) -> None:
+        """Training begins now: the restore goes on the step ledger, dated now (goodput counts
+        the time before it, less the restore's own seconds, as start-up)."""
+        if self.ledger is None or self._restore is None:
+            return
+        step, source, seconds, nbytes = self._restore
+        self.ledger.restored(step, source, seconds, **({"nbytes": nbytes} if nbytes else {}))
+        self._blocked = dict.fromkeys(self._blocked, 0.0)
+
+    def _restored_bytes(self) -> int | None:
+        """The parameters and optimizer state this rank holds (what a restore read): with the
+        restore's seconds, the storage rate the next attempt's restore deadline is sized by."""
+        held = getattr(self.trainer, "state_bytes", None)  # a test double may not have it
+        if held is None:
+            return None
+        state = held()
+        return int(state.get("parameters", 0) + state.get("optimizer", 0)) or None
 
 
 def _timed(call, *args) -> float:
