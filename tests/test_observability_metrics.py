@@ -213,6 +213,8 @@ def test_the_vocabularies_know_every_kind_the_health_code_produces():
     checks = RecoverySection.model_fields["diagnostics"].default_factory()
     assert set(checks) <= set(vocab.DIAGNOSTIC_CHECKS)
     assert {"data", "forward", "backward", "sync", "optimizer", "checkpoint"} <= set(vocab.PHASES)
+    # The phases a worker times through its hooks between the restore and the first step.
+    assert {"build", "init", "calibration"} <= set(vocab.PHASES)
 
 
 def test_forget_ranks_removes_the_heartbeat_series():
