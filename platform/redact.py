@@ -3,7 +3,10 @@ a credential goes through before it is shown or stored.
 
 A Redis URL carries its password in one of two places, and both are masked wherever a URL
 appears inside the text: the user-info (`redis://:PW@host`, `rediss://user:PW@host`, any
-scheme) and the query (`?password=PW`, `&password=PW`). Passwords a caller knows (the one in
+scheme) and the query (`?password=PW`, `&password=PW`). In the user-info, everything from the
+first ':' to the LAST '@' of the URL is masked: a password written without percent-encoding may
+hold '/', '?', '#' and '@' (`openssl rand -base64` writes '/' in about 4 of 10), and a parser
+that stops at the first of them would leave the rest of it in the clear. Passwords a caller knows (the one in
 $LONGRUN_REDIS_PASSWORD, always) are masked wherever they appear, raw or URL-quoted: a server's
 error message may echo one outside any URL.
 """
@@ -20,8 +23,8 @@ PASSWORD_ENV = "LONGRUN_REDIS_PASSWORD"
 # garble it (and a password that short protects nothing).
 _MIN_LITERAL = 4
 
-# scheme://user:password@ - the password runs to the last '@' before the host part ends.
-_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/?#]*:)(?P<pw>[^\s/?#]*)@")
+# scheme://user:password@ - the password runs to the last '@' of the URL (greedy, no space).
+_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/?#]*:)(?P<pw>\S*)@")
 _QUERY = re.compile(r"(?P<head>[?&;]password=)(?P<pw>[^&#\s'\"]*)", re.IGNORECASE)
 
 

@@ -11,6 +11,11 @@ submitted job runs with the password of the cluster it lands on (KubeRay: a Secr
 deploy/.env), and the submitter's never leaves their machine.
 
 A placeholder (deploy/.env.example's `change-me`, and the like) is refused wherever it is met.
+
+A password written into the user-info without percent-encoding (`redis://:Zk3/Qp9+x@host`, as
+`openssl rand -base64` makes one) is read as running to the URL's last '@' (`normalised`): URL
+parsers stop at its first '/', '?' or '#', so redis-py could not connect and, worse, nothing
+found a password to hide, leaving the URL whole in every file and message.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from longrun.redact import PASSWORD_ENV
 
 PASSWORD_FILE_ENV = "LONGRUN_REDIS_PASSWORD_FILE"
 REFERENCE = "${" + PASSWORD_ENV + "}"
+REDIS_SCHEMES = ("redis://", "rediss://")  # what every longrun client can reach over TCP
 PLACEHOLDERS = frozenset({"change-me", "changeme", "change_me", "password", "secret", "redis",
                           "placeholder", "example", "xxx", "***"})
 
@@ -39,11 +45,26 @@ def _parts(url: str):
     return parts, query
 
 
+def normalised(url: str) -> str:
+    """`url` with a user-info written without percent-encoding encoded. The user-info is what
+    lies between '://' and the URL's last '@'; `url` itself when a parser already finds it whole
+    (or it has none, or the '@' belongs to a ?password= value)."""
+    head, sep, tail = url.partition("://")
+    if not sep or "@" not in tail:
+        return url
+    parts, query = _parts(url)
+    if "@" in parts.netloc or any(k == "password" for k, _ in query):
+        return url
+    info, _, rest = tail.rpartition("@")
+    user, colon, password = info.partition(":")
+    return f"{head}{sep}{quote(user, safe='')}{colon}{quote(password, safe='${}')}@{rest}"
+
+
 def password_of(url: str | None) -> str | None:
     """The password `url` spells out or refers to (user-info first, then ?password=), unquoted."""
     if url is None:
         return None
-    parts, query = _parts(url)
+    parts, query = _parts(normalised(url))
     if parts.password is not None:
         return unquote(parts.password)
     return next((v for k, v in query if k == "password"), None)
@@ -51,6 +72,7 @@ def password_of(url: str | None) -> str | None:
 
 def _with_password(url: str, password: str) -> str:
     """`url` with its password (user-info or query) replaced by `password`, quoted for a URL."""
+    url = normalised(url)
     parts, query = _parts(url)
     if parts.password is not None:
         user, host = parts.netloc.rsplit("@", 1)
@@ -76,7 +98,8 @@ def refuse_placeholder(password: str, where: str) -> None:
     if password.strip().lower() in PLACEHOLDERS:
         raise RedisPasswordError(
             f"the Redis password in {where} is the placeholder {password!r}; set a real one (e.g. "
-            "`openssl rand -base64 24`) there and in the Redis server's requirepass")
+            "`openssl rand -hex 24`: nothing in it needs quoting in a URL) there and in the Redis "
+            "server's requirepass")
 
 
 def read_password(env: Mapping[str, str] | None = None) -> str | None:
@@ -104,7 +127,11 @@ def read_password(env: Mapping[str, str] | None = None) -> str | None:
 
 def resolve(url: str | None, env: Mapping[str, str] | None = None, *, strict: bool = True) -> str | None:
     """`url` with a reference replaced by the password from the environment. Without one there:
-    RedisPasswordError when `strict`, else `url` unchanged (a worker's copy of the config, say)."""
+    RedisPasswordError when `strict`, else `url` unchanged (a worker's copy of the config, say).
+    A password written without percent-encoding comes back encoded (`normalised`)."""
+    if url is None:
+        return None
+    url = normalised(url)
     if not is_reference(url):
         return url
     password = read_password(env)

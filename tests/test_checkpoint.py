@@ -128,7 +128,7 @@ def test_sigkill_mid_save_always_leaves_a_complete_verifying_checkpoint(tmp_path
         finally:
             proc.kill()
             proc.wait()
-        saw_debris |= bool(layout.abandoned_tmp_dirs(fs, base))
+        saw_debris |= bool(layout.uncommitted_dirs(fs, base))
         restored = _restore(cfg)
         committed = layout.committed_steps(fs, base)
         # The newest committed step verifies (no fall-back was needed) and is never older
@@ -260,15 +260,38 @@ def test_a_full_disk_is_a_clear_error_and_earlier_checkpoints_survive(quota_fs):
         trainer.train_step()
         ckpt.save(trainer)
         assert ckpt.flush().committed
-        QuotaMemoryFS.limit = QuotaMemoryFS().used() + 4096  # the disk is now (nearly) full
+        used = QuotaMemoryFS().used()
+        QuotaMemoryFS.limit = used + 4096  # the disk is now (nearly) full
         trainer.train_step()
         ckpt.save(trainer)  # training is blocked only for the copy; the write fails behind it
         with pytest.raises(CheckpointWriteError, match="No space left on device"):
             ckpt.flush()
         assert ckpt.writer.last_result.committed is False
+        # The failed save freed what it had written at once, so a disk that stays full is not
+        # filled further by every retry.
+        fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+        assert layout.uncommitted_dirs(fs, root) == [] and QuotaMemoryFS().used() == used
         ckpt.close()
     restored = _restore(cfg)
     assert restored.step == 1 and restored.skipped == []
+
+
+def test_a_failed_save_on_a_local_disk_leaves_no_partial_step(tmp_path):
+    cfg = w.config(str(tmp_path / "ckpt"))
+    with Trainer(cfg, progress=False) as trainer:
+        ckpt = Checkpointer(cfg)
+        trainer.train_step()
+        ckpt.save(trainer)
+        ckpt.flush()
+        ckpt.writer.fail_next_save("a full disk")  # the `fail_save` fault: ENOSPC mid-save
+        trainer.train_step()
+        ckpt.save(trainer)
+        with pytest.raises(CheckpointWriteError, match="No space left on device"):
+            ckpt.flush()
+        ckpt.close()
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    assert layout.committed_steps(fs, root) == [1] and layout.uncommitted_dirs(fs, root) == []
+    assert sorted(os.listdir(root)) == [layout.LATEST, layout.step_dir_name(1)]
 
 
 def test_a_save_due_while_one_is_in_flight_is_skipped_by_policy(quota_fs):
@@ -292,7 +315,7 @@ def test_the_object_store_commit_path_round_trips(quota_fs):
     want, _ = _train(cfg)
     fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
     assert layout.committed_steps(fs, root) == [4]  # retention kept one
-    assert not layout.abandoned_tmp_dirs(fs, root)
+    assert not layout.uncommitted_dirs(fs, root)
     with Trainer(cfg, progress=False) as trainer:
         Checkpointer(cfg).restore(trainer)
         got = w.weights(trainer)
@@ -334,7 +357,8 @@ def test_a_rank_that_never_reports_aborts_the_commit_naming_it(tmp_path):
         writer.raise_if_failed()
     writer.close()
     assert layout.committed_steps(fs, root) == []
-    assert layout.abandoned_tmp_dirs(fs, root) == [f"{root}/{layout.tmp_dir_name(7)}"]
+    # The aborted save removed what it wrote at once: nothing is left for a sweep.
+    assert layout.uncommitted_dirs(fs, root) == []
 
 
 # --- agreeing on a step ------------------------------------------------------------------------

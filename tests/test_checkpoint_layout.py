@@ -1,4 +1,5 @@
-"""The checkpoint directory layout: only directories with a manifest and no .tmp count."""
+"""The checkpoint directory layout: only directories with a manifest count; a committed step is
+never written over (a second save of it is a revision); what is not committed is swept."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_only_committed_steps_count(fs_root):
     fs.makedirs(f"{root}/{layout.tmp_dir_name(40)}", exist_ok=True)
     fs.pipe_file(f"{root}/{layout.tmp_dir_name(40)}/{layout.MANIFEST}", b"{}")
     assert layout.committed_steps(fs, root) == [10, 30]
-    assert layout.abandoned_tmp_dirs(fs, root) == [f"{root}/{layout.tmp_dir_name(40)}"]
+    assert layout.uncommitted_dirs(fs, root) == [f"{root}/{layout.step_dir_name(20)}",
+                                                 f"{root}/{layout.tmp_dir_name(40)}"]
 
 
 def test_latest_pointer(fs_root):
@@ -84,3 +86,37 @@ def test_retention_keeps_the_newest_committed_and_ignores_tmp_in_the_count(fs_ro
     assert _names(fs, root) == ["step-00000030"]
     with pytest.raises(ValueError, match="keep_last"):
         layout.apply_retention(fs, root, keep_last=0)
+
+
+def test_a_second_save_of_a_committed_step_is_a_revision_that_replaces_it_once_committed(fs_root):
+    fs, root = fs_root
+    _commit(fs, root, 6)
+    # Saving step 6 again (the new path after a rollback) must not write over the committed one.
+    assert layout.save_dir_name(fs, root, 6) == "step-00000006.1"
+    assert layout.save_dir_name(fs, root, 7) == "step-00000007"
+    fs.makedirs(f"{root}/step-00000006.1", exist_ok=True)
+    fs.pipe_file(f"{root}/step-00000006.1/rank-0.pt", b"new")  # half written: step 6 is the old one
+    assert layout.step_dir(fs, root, 6) == f"{root}/step-00000006"
+    assert layout.save_dir_name(fs, root, 6) == "step-00000006.1"  # the half-written one is redone
+    fs.pipe_file(f"{root}/step-00000006.1/{layout.MANIFEST}", b"{}")
+    assert layout.committed_steps(fs, root) == [6]
+    assert layout.step_dir(fs, root, 6) == f"{root}/step-00000006.1"
+    assert layout.parse_step("step-00000006.1") == 6 and layout.parse_dir("step-00000006.1") == (6, 1)
+    layout.write_latest(fs, root, 6, "step-00000006.1")
+    assert layout.read_latest(fs, root) == 6
+    # Retention after the commit: the replaced revision goes, the new one stays.
+    layout.apply_retention(fs, root, keep_last=3, committed=6)
+    assert [n for n in _names(fs, root) if n != layout.LATEST] == ["step-00000006.1"]
+
+
+def test_sweeping_removes_every_uncommitted_directory_and_nothing_committed(fs_root):
+    fs, root = fs_root
+    _commit(fs, root, 10)
+    _commit(fs, root, 20, manifest=False)
+    _commit(fs, root, 30, manifest=False)  # newer than every commit: retention would keep it
+    fs.makedirs(f"{root}/{layout.tmp_dir_name(5)}", exist_ok=True)
+    fs.pipe_file(f"{root}/{layout.tmp_dir_name(5)}/rank-0.pt", b"x")
+    removed = layout.sweep_uncommitted(fs, root)
+    assert sorted(p.rsplit("/", 1)[-1] for p in removed) == [
+        "step-00000005.tmp", "step-00000020", "step-00000030"]
+    assert _names(fs, root) == ["step-00000010"]

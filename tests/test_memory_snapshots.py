@@ -14,6 +14,7 @@ import random
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -232,34 +233,39 @@ def test_a_keeper_holds_the_last_arrivals_and_forgets_an_abandoned_path():
     assert keeper.holdings() == {0: [4, 5]}
 
 
-def test_a_snapshot_due_while_the_previous_is_sent_waits_for_it_never_skips():
-    """Skipping would depend on each rank's timing, leaving ranks with different steps."""
-    from types import SimpleNamespace
+def test_chunks_of_many_ranks_stream_to_threaded_keepers_and_back(cluster):
+    """Issue 39: three replicas send their parts of one shard at once, chunk by chunk, to two
+    keepers made as `Keepers.ensure` makes them; each rank's restore fetches its own and its
+    replicas' parts back, every chunk checked, and reassembles the shard bitwise."""
+    from longrun.checkpoint.memory import MemorySnapshots, Part
+    from longrun.controller.snapshot_keeper import THREADS
+    from longrun.worker.snapshot_transfer import fetch_snapshot, snapshot_sender
 
-    from longrun.checkpoint.memory import MemorySnapshots
-
-    release, sent = threading.Event(), []
-
-    def send(step, blob, digest):
-        assert release.wait(60), "the first send was never released"
-        sent.append(read_snapshot(blob, digest)["step"])
-
-    snaps = MemorySnapshots(send, every=1)
-    trainer = SimpleNamespace(step=1, state_dict=lambda: {"step": trainer.step, "w": torch.ones(3)})
-    assert snaps.take(trainer)  # its send blocks until released
-    trainer.step = 2
-
-    def release_once_waiting() -> None:
-        while not snaps.waited:  # polling the snapshotter's own state: set before it waits
-            pass
-        release.set()
-
-    helper = threading.Thread(target=release_once_waiting, daemon=True)
-    helper.start()
-    assert snaps.take(trainer)  # returns only after the first send went through
-    snaps.wait()
-    helper.join(5)
-    assert sent == [1, 2] and snaps.waited == 1
+    keeper = ray.remote(num_cpus=0, max_concurrency=THREADS)(SnapshotKeeper)
+    names = ["mem-stream-a", "mem-stream-b"]
+    actors = [keeper.options(name=n).remote() for n in names]
+    replicas = (0, 1, 2)
+    weights = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: many chunks each
+    try:
+        snaps = []
+        for rank in replicas:
+            trainer = SimpleNamespace(step=4, state_dict=lambda r=rank: {
+                "step": 4, "model": {"w": weights}, "optimizer": {}, "rng": torch.full((3,), r)})
+            snaps.append(MemorySnapshots(snapshot_sender(rank, names, timeout_s=60), every=1,
+                                         part=Part(rank, 3, replicas), chunk_bytes=64 << 10))
+            assert snaps[-1].take(trainer)  # the three sends run at once
+        for s in snaps:
+            s.wait()
+        assert all(s.sent_step == 4 and s.failed == 0 for s in snaps)
+        held = {str(r): names for r in replicas}
+        for rank in replicas:
+            got, problems = fetch_snapshot(rank, 4, held)
+            assert problems == [] and got["part"] == rank
+            assert torch.equal(got["state"]["model"]["w"], weights)
+            assert torch.equal(got["state"]["rng"], torch.full((3,), rank))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
 
 
 def test_a_snapshot_is_verified():

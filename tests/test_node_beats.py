@@ -6,6 +6,7 @@ process exit), and an agent's death as its node's (its record expired).
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from longrun import keys
 from longrun.config.sections import HealthSection
 from longrun.health.beat_columns import BeatColumns, phase_code
-from longrun.health.heartbeat import Heartbeat, agent_address
+from longrun.health.heartbeat import Heartbeat
 from longrun.health.monitor import HealthMonitor
 from longrun.health.node_agent import NodeAgent, NodeBeats
 from longrun.health.node_beats import NodeBeatReader, columns_of, decode, encode, rows_of
@@ -62,13 +63,13 @@ def test_the_agent_leaves_out_an_exited_process_and_a_rank_not_heard_within_the_
     assert decode(node.record(now=10.0, wall=0.0))[2]["rank"].tolist() == [0]
 
 
-def _rank_process(job: str, node_id: str, rank: int) -> subprocess.Popen:
+def _rank_process(job: str, address: str, rank: int) -> subprocess.Popen:
     """A rank: a real process beating to its node's agent, advancing a step per beat."""
     code = f"""
 import time
-from longrun.health.heartbeat import AgentLink, HeartbeatPublisher, agent_address
+from longrun.health.heartbeat import AgentLink, HeartbeatPublisher
 beat = HeartbeatPublisher(None, {job!r}, 0, {rank}, {INTERVAL_S}, 60.0,
-                          link=AgentLink(agent_address({job!r}, {node_id!r}), 0)).start()
+                          link=AgentLink({address!r}, 0)).start()
 for step in range(1, 100000):
     beat.update(step=step, phase="forward", loss=2.0, step_time_s={INTERVAL_S})
     time.sleep({INTERVAL_S})
@@ -92,7 +93,8 @@ def test_a_ranks_death_is_seen_by_its_node_and_its_neighbour_lives_on(redis_serv
     # watching the process, not by a beat going stale.
     job, node_id = "agentjob", "node-a"
     agent = NodeAgent(job, node_id, redis_server.url, INTERVAL_S, timeout_s=60.0)
-    ranks = [_rank_process(job, node_id, r) for r in range(2)]
+    ranks = [_rank_process(job, agent.address, r) for r in range(2)]
+    agent.expect(0, {r: (p.pid, 0) for r, p in enumerate(ranks)})  # what the controller registers
     try:
         reader = NodeBeatReader(redis_server.client(), job, 0, world_size=2, workers_per_node=2)
         monitor = HealthMonitor(2, HealthSection(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=60.0),
@@ -116,7 +118,8 @@ def test_a_ranks_death_is_seen_by_its_node_and_its_neighbour_lives_on(redis_serv
 def test_an_ended_attempt_is_not_published_again_once_its_keys_are_gone(redis_server):
     job, node_id = "agentjob3", "node-c"
     agent = NodeAgent(job, node_id, redis_server.url, INTERVAL_S, timeout_s=60.0)
-    rank = _rank_process(job, node_id, 0)
+    rank = _rank_process(job, agent.address, 0)
+    agent.expect(0, {0: (rank.pid, 0)})
     client = redis_server.client()
     key = keys.node_beats_key(job, 0, 0)
     try:
@@ -139,13 +142,19 @@ def test_an_ended_attempt_is_not_published_again_once_its_keys_are_gone(redis_se
 
 def test_an_agents_death_reads_as_its_nodes_once(redis_server):
     job, node_id = "agentjob2", "node-b"
+    # The agent in a process of its own (to SIGKILL): it says its address, is told its rank's pid.
     agent = subprocess.Popen([sys.executable, "-c", f"""
-import threading
+import sys, threading
 from longrun.health.node_agent import NodeAgent
-NodeAgent({job!r}, {node_id!r}, {redis_server.url!r}, {INTERVAL_S}, timeout_s=1.0)
+agent = NodeAgent({job!r}, {node_id!r}, {redis_server.url!r}, {INTERVAL_S}, timeout_s=1.0)
+print(repr(agent.address), flush=True)
+agent.expect(0, {{0: (int(sys.stdin.readline()), 0)}})
 threading.Event().wait()
-"""])
-    rank = _rank_process(job, node_id, 0)
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    address = ast.literal_eval(agent.stdout.readline())
+    rank = _rank_process(job, address, 0)
+    agent.stdin.write(f"{rank.pid}\n")
+    agent.stdin.flush()
     try:
         reader = NodeBeatReader(redis_server.client(), job, 0, world_size=1, workers_per_node=1)
         monitor = HealthMonitor(1, HealthSection(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=1.0),
@@ -156,7 +165,7 @@ threading.Event().wait()
         lost = _judge_until(reader, monitor, lambda beats, _: beats.lost_nodes, "the node lost")
         assert lost == [0]
         assert reader.read().lost_nodes == []  # named once
-        assert agent_address(job, node_id).startswith("\0")  # abstract: nothing left on disk
+        assert address.startswith("\0")  # abstract: nothing left on disk
     finally:
         rank.kill()
         rank.wait()

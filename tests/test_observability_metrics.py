@@ -42,6 +42,7 @@ WORKER_FAMILIES = {
     "longrun_dynamic_cp_measured_step_seconds": ("gauge", set()),
     "longrun_group_init_seconds": ("gauge", {"phase"}),
     "longrun_memory_dropped_snapshots": ("counter", set()),
+    "longrun_memory_snapshot_interval_steps": ("gauge", set()),
 }
 CONTROLLER_FAMILIES = {
     "longrun_job_state": ("stateset", {"longrun_job_state"}),
@@ -91,6 +92,7 @@ def busy_worker() -> WorkerMetrics:
     w.observe_state("fsdp2.tp2", {"parameters": 400, "gradients": 400, "optimizer": 800})
     w.observe_restore("storage", 1.5)
     w.snapshot_dropped(7, "a slow keeper")
+    w.snapshot_interval(3)
     return w
 
 

@@ -15,7 +15,6 @@ import redis
 
 from longrun.services import EmbeddedRay, EmbeddedRedis, ServiceError
 from longrun.services.process import pids_in_session
-from longrun.services.ray_head import embedded_env
 
 
 def _gone(pid: int) -> bool:
@@ -103,14 +102,14 @@ def test_redis_url_needs_a_running_server():
 def test_ray_head_on_loopback_runs_tasks_and_stops_cleanly(token_file, tmp_path, monkeypatch):
     if token_file:
         # One local `ray.init()` leaves ~/.ray/auth_token; Ray then turns token auth on for every
-        # head started after it, and a driver without the token was refused (the head never
-        # became ready). The embedded head and its drivers must not care.
+        # head started after it, and a driver without that token was refused (the head never
+        # became ready). The embedded head uses its own token, whatever that file holds.
         (tmp_path / ".ray").mkdir()
         (tmp_path / ".ray" / "auth_token").write_text("a" * 64)
         monkeypatch.setenv("HOME", str(tmp_path))
         monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    ray_env = embedded_env(dict(os.environ))  # what `longrun run` sets for its driver
     with EmbeddedRay(num_cpus=1) as head:
+        ray_env = head.client_env  # what `longrun run` sets for its driver
         assert head.address.startswith("127.0.0.1:")
         leader = head.process.pid
         temp_dir = head.temp_dir

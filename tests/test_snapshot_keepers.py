@@ -103,3 +103,21 @@ def test_a_resize_commits_the_old_layouts_snapshots_before_they_are_dropped(tmp_
     assert ("drop_after", -1) in calls and ("plan",) not in calls
     assert calls[-1] == ("drop_after", 7)  # what follows the committed step is another path's
     assert all(p["restore"] is None for p in plans) and keepers.layout == layout_key(new)
+
+
+def test_every_node_commits_a_share_of_the_ranks_its_keeper_holds():
+    """Issue 39: committing what the keepers hold is spread over the nodes (one committer each,
+    at once), each rank written where a keeper holding it lives."""
+    from longrun.controller.snapshot_commit import assign
+
+    nodes = ["a", "b", "c"]  # 2 ranks each; a rank is held by its node's keeper and the next one's
+    holders = {r: sorted({nodes[r // 2], nodes[(r // 2 + 1) % 3]}) for r in range(6)}
+    restore = {"step": 8, "keepers": {str(r): [f"k-{n}" for n in names] for r, names in holders.items()}}
+    by_node = assign(restore, {f"k-{n}": n for n in nodes})
+    assert sorted(len(ranks) for ranks in by_node.values()) == [2, 2, 2]
+    assert all(node in holders[r] for node, ranks in by_node.items() for r in ranks)
+    assert sorted(r for ranks in by_node.values() for r in ranks) == list(range(6))
+    gone = {f"k-{n}": n for n in ("a", "b")}  # node c's keeper went with its node
+    assert {r for ranks in assign(restore, gone).values() for r in ranks} == set(range(6))
+    with pytest.raises(ValueError, match="no live keeper holds rank 2"):
+        assign(restore, {"k-a": "a"})

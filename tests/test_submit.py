@@ -47,7 +47,12 @@ def head(cluster_python, redis_server):
         patch.setenv("LONGRUN_REDIS_PASSWORD", redis_server.password)
         ray_head = EmbeddedRay(num_cpus=2, include_dashboard=True).start()
     try:
-        yield ray_head
+        # The head demands its token (services/ray_head.py): the commands here run as a user who
+        # holds it, as one holding a cluster's token sets RAY_AUTH_MODE and RAY_AUTH_TOKEN.
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in ray_head.client_env.items():
+                patch.setenv(name, value)
+            yield ray_head
     finally:
         ray_head.stop()
 
@@ -110,7 +115,9 @@ def test_status_reads_the_job_record_from_the_configured_redis(head, repo_root, 
 
     from ray.job_submission import JobSubmissionClient
 
-    info = JobSubmissionClient(address).get_job_info(job_id)
+    # This process imported Ray with auth off (conftest): the token goes in the header itself.
+    info = JobSubmissionClient(address, headers={"Authorization": f"Bearer {head.auth_token}"}) \
+        .get_job_info(job_id)
     shown = f"redis://:***@127.0.0.1:{redis_server.port}/0"
     assert info.metadata["longrun.redis"] == shown
     assert password not in json.dumps([info.metadata, info.runtime_env, info.entrypoint])

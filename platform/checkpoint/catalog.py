@@ -20,14 +20,14 @@ from longrun.checkpoint.dcp_format import table_of
 from longrun.checkpoint.layout import (
     LATEST,
     MANIFEST,
-    abandoned_tmp_dirs,
     committed_steps,
     parse_step,
     read_latest,
-    step_dir_name,
+    step_dir,
+    uncommitted_dirs,
 )
 from longrun.checkpoint.lineage import FenceError, abandoned_reason, fenced_steps, read_fences
-from longrun.checkpoint.manifest import Manifest, ManifestError, stream_sha256
+from longrun.checkpoint.manifest import Manifest, ManifestError, stream_check
 from longrun.checkpoint.resharding import read_whole
 from longrun.checkpoint.restore import read_manifest
 
@@ -99,7 +99,8 @@ class StepEntry:
 
 @dataclass
 class PendingEntry:
-    """A `step-N.tmp` directory: a save in progress, or one a crash abandoned."""
+    """A step directory without a manifest (or an earlier longrun's `step-N.tmp`): a save in
+    progress, or one a crash abandoned."""
     step: int
     path: str
     files: int
@@ -119,11 +120,11 @@ class Listing:
 
 
 def list_checkpoints(url: str) -> Listing:
-    """Committed steps (oldest first) and `.tmp` directories under a checkpoint root.
+    """Committed steps (oldest first) and uncommitted step directories under a checkpoint root.
     CheckpointNotFound if it has neither."""
     fs, root = open_root(url)
     steps = committed_steps(fs, root)
-    tmp_dirs = abandoned_tmp_dirs(fs, root)
+    tmp_dirs = uncommitted_dirs(fs, root)
     if not steps and not tmp_dirs:
         raise CheckpointNotFound(f"no checkpoints under {url}{_hint(fs, root)}")
     latest = read_latest(fs, root)
@@ -135,7 +136,7 @@ def list_checkpoints(url: str) -> Listing:
         fence_problem = None
     entries = []
     for step in steps:
-        entry = StepEntry(step, f"{root}/{step_dir_name(step)}", latest == step)
+        entry = StepEntry(step, step_dir(fs, root, step), latest == step)
         try:
             m = read_manifest(fs, root, step)
         except ManifestError as exc:
@@ -202,19 +203,19 @@ class Inspection:
 
 def verify_shards(fs: fsspec.AbstractFileSystem, root: str, step: int,
                   manifest: Manifest) -> list[ShardCheck]:
-    """Re-hash every file the manifest lists (streamed, not loaded) against its SHA-256."""
-    checks = []
+    """Re-hash every file the manifest lists (streamed, not loaded) against its checksum."""
+    checks, where = [], step_dir(fs, root, step)
     for name, info in sorted(manifest.files.items()):
-        path = f"{root}/{step_dir_name(step)}/{name}"
+        path = f"{where}/{name}"
         try:
-            size, digest = stream_sha256(fs, path, _HASH_CHUNK)
+            size, ok = stream_check(fs, path, info.checksum, _HASH_CHUNK)
         except FileNotFoundError:
             checks.append(ShardCheck(name, "MISSING", 0, "listed in the manifest, not on storage"))
             continue
         if size != info.bytes:
             checks.append(ShardCheck(name, "CORRUPT", size, f"{size} bytes, the manifest says {info.bytes}"))
-        elif digest != info.sha256:
-            checks.append(ShardCheck(name, "CORRUPT", size, "SHA-256 differs from the manifest's"))
+        elif not ok:
+            checks.append(ShardCheck(name, "CORRUPT", size, "its checksum differs from the manifest's"))
         else:
             checks.append(ShardCheck(name, "OK", size))
     return checks
@@ -224,16 +225,17 @@ def load_model_weights(fs: fsspec.AbstractFileSystem, root: str, step: int,
                        manifest: Manifest) -> dict[str, torch.Tensor]:
     """The model state_dict of a committed step, whole whatever layout wrote it (the pieces
     of FSDP and tensor parallelism put together), every record's checksum verified on the way."""
+    where = step_dir(fs, root, step)
     if manifest.format < 2:
-        raise ManifestError(f"{root}/{step_dir_name(step)} was written by an earlier longrun "
+        raise ManifestError(f"{where} was written by an earlier longrun "
                             "(checkpoint format 1); read it with that longrun")
     try:
         metadata, records = table_of(manifest.files)
     except ValueError as exc:
-        raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
-    weights = read_whole(fs, f"{root}/{step_dir_name(step)}", metadata, records, "model.")
+        raise ManifestError(f"{where}: {exc}") from None
+    weights = read_whole(fs, where, metadata, records, "model.")
     if not weights:
-        raise ManifestError(f"{root}/{step_dir_name(step)} holds no model weights")
+        raise ManifestError(f"{where} holds no model weights")
     return weights
 
 
@@ -263,7 +265,7 @@ def inspect_checkpoint(url: str, step: int | None = None, *, verify: bool = Fals
     fs, root = open_root(url)
     step = resolve_step(fs, root, step)
     manifest = read_manifest(fs, root, step)
-    result = Inspection(url, step, f"{root}/{step_dir_name(step)}", manifest,
+    result = Inspection(url, step, step_dir(fs, root, step), manifest,
                         read_latest(fs, root) == step)
     if verify:
         result.checks = verify_shards(fs, root, step, manifest)

@@ -3,9 +3,9 @@
 Every rank reports its written shards (name -> checksum) or its failure; the coordinator (rank
 0's writer) waits until all ranks have reported and only then writes the manifest. The ledger
 lives in Redis, outside the training process group, so a save never puts a collective on the
-training group and a rank that dies mid-save simply never reports (the coordinator times out
-and the step stays an abandoned `.tmp`). Keys are per attempt: a restarted attempt that saves
-the same step again never sees a dead attempt's reports.
+training group and a rank that dies mid-save simply never reports (the coordinator times out,
+and the step, without a manifest, is never restored and is removed). Keys are per attempt: a
+restarted attempt that saves the same step again never sees a dead attempt's reports.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _gather(step: int, reports: dict[int, dict], world_size: int) -> dict[str, S
     files: dict[str, ShardInfo] = {}
     for rank in range(world_size):
         for name, info in reports[rank]["files"].items():
-            files[name] = info if isinstance(info, ShardInfo) else ShardInfo(**info)
+            files[name] = info if isinstance(info, ShardInfo) else ShardInfo.from_dict(info)
     return files
 
 

@@ -4,9 +4,10 @@ A checkpoint's tensors are the pieces the ranks hold (whole tensors without shar
 FSDP and tensor parallelism each rank's slice of each DTensor). Each piece is written once: by
 the lowest rank holding it (the replica leader, first along every mesh dimension the tensor is
 replicated over). A rank's pieces go into one file, `__<rank>_0.distcp`, each as its own
-`torch.save` record, exactly as DCP's FileSystemWriter writes them, and the record's place in
-the file (offset, length), its place in the whole tensor (offsets, sizes) and its SHA-256 are
-reported with the rank's files (`ShardInfo.items`). At commit the coordinator turns the reports
+`torch.save` record, exactly as DCP's FileSystemWriter writes them (laid out first and written by
+several threads: `records.py`), and the record's place in the file (offset, length), its place
+in the whole tensor (offsets, sizes), its checksum and where its tensor's bytes lie are reported
+with the rank's files (`ShardInfo.items`). At commit the coordinator turns the reports
 into DCP's `.metadata`, so `torch.distributed.checkpoint.load(state_dict, checkpoint_id=step_dir)`
 loads a longrun checkpoint's tensors as is (the plain values live in `train-state.pt`);
 longrun itself reads the same table from its manifest (`resharding.py`), never unpickling
@@ -23,7 +24,6 @@ stays ours.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import pickle
 from dataclasses import dataclass
@@ -113,44 +113,6 @@ def pieces_of(state: dict[str, Any], *, rank: int, replica_leader: bool,
     return pieces
 
 
-class _ItemHasher:
-    """A file-like that hashes and counts; `mark()` starts a new item's hash."""
-
-    def __init__(self, out: Any):
-        self._out, self.pos = out, 0
-        self._hash = hashlib.sha256()
-
-    def write(self, data: bytes | memoryview) -> int:
-        self._hash.update(data)
-        self.pos += len(data)
-        return self._out.write(data)
-
-    def flush(self) -> None:
-        self._out.flush()
-
-    def mark(self) -> str:
-        digest, self._hash = self._hash.hexdigest(), hashlib.sha256()
-        return digest
-
-
-def write_pieces(out: Any, pieces: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Write `pieces` ({fqn: {"tensor", "offsets", "global_shape", "path"}}, host tensors) into
-    the binary file `out`, one `torch.save` record each (DCP's FileSystemWriter layout); returns
-    each record's description for the manifest and DCP's metadata."""
-    writer = _ItemHasher(out)
-    items = []
-    for fqn, piece in pieces.items():
-        tensor: Tensor = piece["tensor"]
-        start = writer.pos
-        writer.mark()
-        torch.save(tensor, writer)
-        items.append({"fqn": fqn, "path": list(piece["path"]), "offsets": list(piece["offsets"]),
-                      "sizes": list(tensor.shape), "global_shape": list(piece["global_shape"]),
-                      "dtype": str(tensor.dtype).removeprefix("torch."),
-                      "offset": start, "length": writer.pos - start, "sha256": writer.mark()})
-    return items
-
-
 def dtype_of(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -163,7 +125,12 @@ class StoredItem:
     relative_path: str
     offset: int
     length: int
-    sha256: str
+    checksum: str  # "xxh3_128:<hex>", or a bare SHA-256 in checkpoints written before xxh3
+    sizes: tuple[int, ...] = ()  # the piece's shape
+    dtype: torch.dtype = torch.float32
+    # [start, length] of the tensor's bytes within the record (records.py); None in records
+    # written before longrun recorded it, which are read whole and unpickled.
+    data: tuple[int, int] | None = None
 
 
 def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
@@ -187,7 +154,10 @@ def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex,
                 raise ValueError(f"the piece of {fqn} at {tuple(offsets)} is stored twice")
             md.chunks.append(ChunkStorageMetadata(offsets, torch.Size(item["sizes"])))
             planner_data[fqn] = tuple(item["path"])
-            records[index] = StoredItem(name, item["offset"], item["length"], item["sha256"])
+            data = item.get("data")
+            records[index] = StoredItem(name, item["offset"], item["length"],
+                                        item.get("checksum") or item["sha256"], tuple(item["sizes"]),
+                                        dtype, tuple(data) if data is not None else None)
     for fqn, md in tensors.items():
         problem = coverage_problem(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
         if problem is not None:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
-from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir_name
+from longrun.checkpoint.layout import MANIFEST, committed_dirs
 from longrun.checkpoint.manifest import Manifest, ManifestError
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,10 @@ def fenced_steps(fs: fsspec.AbstractFileSystem, root: str) -> set[int]:
         return set()
     first = min(f.from_step for f in fences)
     fenced = set()
-    for step in committed_steps(fs, root):
+    for step, names in sorted(committed_dirs(fs, root).items()):
         if step < first:
             continue
-        path = f"{root}/{step_dir_name(step)}/{MANIFEST}"
+        path = f"{root}/{names[0]}/{MANIFEST}"  # the newest revision is the step's checkpoint
         try:
             manifest = Manifest.from_json(fs.cat_file(path), where=path)
         except (ManifestError, OSError):

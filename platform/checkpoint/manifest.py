@@ -10,19 +10,21 @@ A step directory holds:
   plain values (hyper-parameters), tensors left out;
 - `rank-NNNNN.pt` per rank: its RNG streams.
 
-The manifest is JSON, written last: every file with its SHA-256 and size (and, for a DCP file,
-each record's place and SHA-256, so a reader that reads only some byte ranges still verifies
-what it reads), the step, the config fingerprint, the model the tensors fit, the parallel
-layout they were written at (for information: any layout restores them) and the lineage
-(which loss-spike rollbacks it came after, `lineage.py`).
+The manifest is JSON, written last (it is what makes a step exist: `layout.py`): every file
+with its checksum and size (and, for a DCP file, each record's place and checksum, so a reader
+that reads only some byte ranges still verifies what it reads), the step, the config
+fingerprint, the model the tensors fit, the parallel layout they were written at (for
+information: any layout restores them) and the lineage (which loss-spike rollbacks it came
+after, `lineage.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from longrun.checkpoint import checksum
 
 FORMAT_VERSION = 2  # 2: tensors in DCP's format, any layout; 1: pieces per layout (read by none)
 _READABLE = (1, 2)  # format 1 manifests are read to say why they cannot be resumed
@@ -59,11 +61,24 @@ class ManifestError(ValueError):
 
 @dataclass
 class ShardInfo:
-    sha256: str
+    # The file's checksum (`checksum.py`: "xxh3_128:<hex>"). Manifests written before xxh3 call
+    # it "sha256" and hold a bare SHA-256; they are read through `from_dict`. Renamed rather
+    # than kept: a tool that reads the field as a SHA-256 of the file fails on the missing
+    # name instead of finding a digest that is not one.
+    checksum: str
     bytes: int
     # A DCP data file's records: fqn, path, offsets, sizes, global_shape, dtype, offset,
-    # length, sha256 (`dcp_format.write_pieces`); None for other files.
+    # length, checksum and, where written by this longrun, data ([start, length] of the tensor's
+    # bytes within the record: `records.py`) (`dcp_format.py`); None for other files.
     items: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardInfo:
+        """A file's entry as JSON holds it, of this longrun's manifests or of earlier ones."""
+        data = dict(data)
+        if "sha256" in data and "checksum" not in data:
+            data["checksum"] = data.pop("sha256")
+        return cls(**data)
 
 
 @dataclass
@@ -97,7 +112,7 @@ class Manifest:
             if data.get("format") not in _READABLE:
                 raise ManifestError(f"{where}: format {data.get('format')!r}, "
                                     f"this longrun reads format {FORMAT_VERSION}")
-            data["files"] = {k: ShardInfo(**v) for k, v in data["files"].items()}
+            data["files"] = {k: ShardInfo.from_dict(v) for k, v in data["files"].items()}
             return cls(**data)
         except ManifestError:
             raise
@@ -120,11 +135,11 @@ class Manifest:
 
 
 class HashingWriter:
-    """Wraps a binary file: everything written goes through SHA-256 and is counted."""
+    """Wraps a binary file: everything written goes through the checksum and is counted."""
 
     def __init__(self, f: Any):
         self._f = f
-        self._hash = hashlib.sha256()
+        self._hash = checksum.hasher()
         self.bytes = 0
         # torch.save's zip writer replaces an exception from write() with its own opaque
         # "unexpected pos" error; the original (e.g. ENOSPC) is kept here to be re-raised.
@@ -143,18 +158,15 @@ class HashingWriter:
         self._f.flush()
 
     def info(self) -> ShardInfo:
-        return ShardInfo(self._hash.hexdigest(), self.bytes)
+        return ShardInfo(checksum.tagged(self._hash), self.bytes)
 
 
-def sha256_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def stream_sha256(fs: Any, path: str, chunk: int = 8 << 20) -> tuple[int, str]:
-    """(size, SHA-256) of a file read in chunks: never the whole file in memory."""
-    digest, size = hashlib.sha256(), 0
+def stream_check(fs: Any, path: str, stored: str, chunk: int = 8 << 20) -> tuple[int, bool]:
+    """(size, whether it matches `stored`) of a file read in chunks: never the whole file in
+    memory; hashed with the algorithm that made `stored` (SHA-256 for old checkpoints)."""
+    h, size = checksum.verifier(stored), 0
     with fs.open(path, "rb") as f:
         while data := f.read(chunk):
-            digest.update(data)
+            h.update(data)
             size += len(data)
-    return size, digest.hexdigest()
+    return size, checksum.matches(stored, h)

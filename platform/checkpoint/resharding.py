@@ -3,8 +3,9 @@
 The saved pieces (any layout) and the pieces this rank needs (its DTensors' local slices, or
 whole tensors) are both boxes in the global tensor; DCP's resharding planner
 (`create_read_items_for_chunk_list`) gives the overlaps. Each overlapping record is read as a
-byte range of its file (never the whole file), checked against the SHA-256 the manifest keeps
-for it, loaded with `torch.load(weights_only=True)`, and the overlap copied into its target.
+byte range of its file (never the whole file), by several readers, checked against the checksum
+the manifest keeps for it while it is read (`record_read.py`), and the overlap copied into its
+target.
 A restore reads and verifies every record first (`read_records`) and copies the overlaps into
 the live state (`apply_reads`) only once every rank has read and verified its part, so a
 corrupt checkpoint leaves the trainer as it was.
@@ -12,8 +13,6 @@ corrupt checkpoint leaves the trainer as it was.
 
 from __future__ import annotations
 
-import hashlib
-import io
 from dataclasses import dataclass
 
 import fsspec
@@ -24,10 +23,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from longrun.checkpoint.dcp_format import StoredItem, coverage_problem
+from longrun.checkpoint.record_read import CorruptShardError, read_verified
 
-
-class CorruptShardError(ValueError):
-    """A file or record is missing, truncated or does not match the manifest's checksum."""
+__all__ = ["CorruptShardError", "PieceMismatchError", "Wanted", "apply_reads", "plan_reads",
+           "read_pieces", "read_records", "read_whole"]
 
 
 class PieceMismatchError(ValueError):
@@ -79,18 +78,12 @@ def plan_reads(metadata: Metadata, wanted: list[Wanted]) -> list[ReadItem]:
 
 
 def read_records(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[MetadataIndex, StoredItem],
-                 reads: list[ReadItem]) -> dict[MetadataIndex, Tensor]:
-    """Every record `reads` (from `plan_reads`) touch, read as a byte range of its file, verified
-    and loaded: {record: tensor}. One read per record, each file front to back once. Raises
-    CorruptShardError on a bad record. Nothing is copied anywhere yet (`apply_reads`)."""
-    wanted = {item.storage_index for item in reads}
-    order = sorted(wanted, key=lambda i: (records[i].relative_path, records[i].offset))
-    loaded: dict[MetadataIndex, Tensor] = {}
-    for path, indices in _grouped(order, records):
-        with fs.open(f"{step_dir}/{path}", "rb") as f:
-            for index in indices:
-                loaded[index] = _load_record(f, records[index], f"{step_dir}/{path}")
-    return loaded
+                 reads: list[ReadItem], *, pin: bool = False) -> dict[MetadataIndex, Tensor]:
+    """Every record `reads` (from `plan_reads`) touch, read as a byte range of its file by several
+    readers, verified and loaded: {record: tensor} (in pinned memory with `pin`, for a GPU
+    target). Raises CorruptShardError on a bad record. Nothing is copied anywhere yet
+    (`apply_reads`)."""
+    return read_verified(fs, step_dir, records, {item.storage_index for item in reads}, pin=pin)
 
 
 def apply_reads(loaded: dict[MetadataIndex, Tensor], reads: list[ReadItem], wanted: list[Wanted]) -> None:
@@ -109,28 +102,6 @@ def read_pieces(fs: fsspec.AbstractFileSystem, step_dir: str,
     loaded = read_records(fs, step_dir, records, reads)
     apply_reads(loaded, reads, wanted)
     return sum(records[index].length for index in loaded)
-
-
-def _grouped(order: list[MetadataIndex], records: dict[MetadataIndex, StoredItem]):
-    current, group = None, []
-    for index in order:
-        path = records[index].relative_path
-        if path != current and group:
-            yield current, group
-            group = []
-        current = path
-        group.append(index)
-    if group:
-        yield current, group
-
-
-def _load_record(f, stored: StoredItem, where: str) -> Tensor:
-    f.seek(stored.offset)
-    raw = f.read(stored.length)
-    if len(raw) != stored.length or hashlib.sha256(raw).hexdigest() != stored.sha256:
-        raise CorruptShardError(f"{where}: the record at byte {stored.offset} ({stored.length} bytes) "
-                             "does not match its checksum")
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
 def read_whole(fs: fsspec.AbstractFileSystem, step_dir: str, metadata: Metadata,

@@ -6,8 +6,9 @@ world size is the one that wrote it, its own `rank-NNNNN.pt` (RNG streams). The 
 read by the first rank of each replica group only (the ranks holding the same pieces), the
 byte ranges its pieces need at this layout (`resharding.py`), and broadcast over the group
 (MegaScale's recovery optimisation: one storage read per group instead of one per rank).
-Every byte read is checked against the manifest's SHA-256 before `torch.load(weights_only=True)`
-sees it. If any rank finds the newest candidate unreadable or corrupt, all ranks agree (one
+Every byte read is checked against the manifest's checksum (`checksum.py`) before anything
+uses it; the tensors are read by several readers straight into host tensors, verified as they
+arrive (`record_read.py`). If any rank finds the newest candidate unreadable or corrupt, all ranks agree (one
 all-reduce) and fall back to the previous one with a warning; nothing live changes until they
 agree. A checkpoint of another model is refused outright: an older one would not help. A
 checkpoint a loss-spike rollback fenced off (`lineage.py`) is passed over like an unusable one.
@@ -28,8 +29,9 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
+from longrun.checkpoint import checksum
 from longrun.checkpoint.dcp_format import DCP_KEYS, fqn_of, pieces_of, table_of, tensor_leaves
-from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir_name
+from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir
 from longrun.checkpoint.lineage import Fence, FenceError, abandoned_reason, read_fences
 from longrun.checkpoint.manifest import (
     GLOBAL_KEYS,
@@ -38,8 +40,7 @@ from longrun.checkpoint.manifest import (
     ManifestError,
     ShardInfo,
     rank_shard_name,
-    sha256_of,
-    stream_sha256,
+    stream_check,
 )
 from longrun.checkpoint.resharding import (
     CorruptShardError,
@@ -74,7 +75,7 @@ class Restored:
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> Manifest:
-    path = f"{root}/{step_dir_name(step)}/{MANIFEST}"
+    path = f"{step_dir(fs, root, step)}/{MANIFEST}"
     try:
         raw = fs.cat_file(path)
     except FileNotFoundError:
@@ -85,7 +86,7 @@ def read_manifest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> Manife
 def load_shard(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str,
                info: ShardInfo | None) -> Any:
     """Read a shard whole, verify it, and unpickle it with tensors-and-containers only."""
-    path = f"{root}/{step_dir_name(step)}/{name}"
+    path = f"{step_dir(fs, root, step)}/{name}"
     if info is None:
         raise CorruptShardError(f"{path} is not listed in the manifest")
     local = isinstance(fs, LocalFileSystem)
@@ -94,13 +95,15 @@ def load_shard(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str,
             # Hash while streaming, then map the verified file: no whole-file bytes object
             # and no second copy of every storage (measured 3x faster than cat_file +
             # BytesIO on a 1.2 GB shard).
-            size, digest = stream_sha256(fs, path)
+            size, ok = stream_check(fs, path, info.checksum)
         else:
             raw = fs.cat_file(path)
-            size, digest = len(raw), sha256_of(raw)
+            h = checksum.verifier(info.checksum)
+            h.update(raw)
+            size, ok = len(raw), checksum.matches(info.checksum, h)
     except FileNotFoundError:
         raise CorruptShardError(f"{path} is missing") from None
-    if size != info.bytes or digest != info.sha256:
+    if size != info.bytes or not ok:
         raise CorruptShardError(
             f"{path} does not match its checksum ({size} bytes, manifest says {info.bytes})")
     if local:
@@ -207,26 +210,27 @@ def extra_buffers(train_state: dict[str, Any], metadata, mine: list[Wanted]) -> 
 def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template: dict[str, Any],
                     rank: int, world_size: int, reads_tensors: bool,
                     fences: list[Fence] | None = None) -> _Candidate:
+    where = step_dir(fs, root, step)
     manifest = read_manifest(fs, root, step)
     abandoned = abandoned_reason(manifest, fences or [])
     if abandoned is not None:  # the spiked path of a rollback: never restored, however whole
-        raise ManifestError(f"{root}/{step_dir_name(step)} was {abandoned}")
+        raise ManifestError(f"{where} was {abandoned}")
     mismatch = manifest.incompatibility(model)
     if mismatch:
         raise CheckpointMismatchError(
-            f"cannot resume from {root}/{step_dir_name(step)}: {mismatch}; point "
+            f"cannot resume from {where}: {mismatch}; point "
             "checkpoint.dir elsewhere to start afresh")
     try:
         metadata, records = table_of(manifest.files)
     except ValueError as exc:
-        raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
+        raise ManifestError(f"{where}: {exc}") from None
     train_state = load_shard(fs, root, step, TRAIN_STATE, manifest.files.get(TRAIN_STATE))
     stages = [load_shard(fs, root, step, name, manifest.files[name])
               for name in stage_files(list(manifest.files))]
     try:
         train_state = held_structure(merged_structure(train_state, stages), template)
     except ValueError as exc:
-        raise ManifestError(f"{root}/{step_dir_name(step)}: {exc}") from None
+        raise ManifestError(f"{where}: {exc}") from None
     rng = None
     if manifest.world_size == world_size:
         rng = load_shard(fs, root, step, rank_shard_name(rank),
@@ -237,15 +241,17 @@ def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template
     try:
         extra = extra_buffers(train_state, metadata, mine)
     except KeyError as exc:  # the structure names a tensor no piece holds: a broken checkpoint
-        raise ManifestError(f"{root}/{step_dir_name(step)}: no piece of {exc.args[0]} was written") from None
+        raise ManifestError(f"{where}: no piece of {exc.args[0]} was written") from None
     wanted = mine + list(extra.values())
     try:
         reads = plan_reads(metadata, wanted)  # on every rank: a mismatch is found everywhere
     except PieceMismatchError as exc:
         raise CheckpointMismatchError(
-            f"cannot resume from {root}/{step_dir_name(step)}: {exc}; point checkpoint.dir "
+            f"cannot resume from {where}: {exc}; point checkpoint.dir "
             "elsewhere to start afresh") from None
-    loaded = read_records(fs, f"{root}/{step_dir_name(step)}", records, reads) if reads_tensors else {}
+    # A GPU target is filled from pinned host tensors: one DMA each, after the agreement.
+    pin = any(w.buffer.is_cuda for w in wanted)
+    loaded = read_records(fs, where, records, reads, pin=pin) if reads_tensors else {}
     return _Candidate(manifest, train_state, rng, wanted, extra, reads, loaded,
                       sum(records[index].length for index in loaded))
 

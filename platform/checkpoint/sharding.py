@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from longrun.checkpoint.dcp_format import tensor_leaves
@@ -32,9 +32,14 @@ def localize(state: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
         if not isinstance(t, DTensor):
             return t
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        coordinate = t.device_mesh.get_coordinate() or []
         where[path] = {"global_shape": list(t.shape), "local_shape": list(shape),
                        "offset": list(offset), "placements": [str(p) for p in t.placements],
-                       "mesh_dims": list(t.device_mesh.mesh_dim_names or ())}
+                       "mesh_dims": list(t.device_mesh.mesh_dim_names or ()),
+                       # The first rank along every mesh dimension the piece is replicated on
+                       # (HSDP's replicas, TP's replicated norms): the one that writes it once.
+                       "writes": all(coordinate[d] == 0 for d, p in enumerate(t.placements)
+                                     if isinstance(p, Replicate))}
         return t.to_local()
 
     return map_tree(state, local), where
@@ -62,19 +67,24 @@ def globalize(loaded: Any, live: Any) -> Any:
     return map_tree(loaded, wrap)
 
 
-def snapshot_pieces(state: Any, where: dict[str, dict[str, Any]]) -> list[tuple[tuple, Tensor, tuple, tuple]]:
+SnapshotPiece = tuple[tuple, Tensor, tuple, tuple, bool | None]
+
+
+def snapshot_pieces(state: Any, where: dict[str, dict[str, Any]]) -> list[SnapshotPiece]:
     """The tensor pieces of a snapshot's model and optimizer (`state` as `localize` left it,
     `where` what it recorded): (path in the state, local tensor, its offsets in the whole
-    tensor, the whole tensor's shape); a tensor that was no DTensor is whole."""
+    tensor, the whole tensor's shape, whether this rank is the first along the mesh dimensions
+    the piece is replicated on); a tensor that was no DTensor is whole (and None for the last)."""
     pieces = []
     for path, t in tensor_leaves(state):
         geometry = where.get("/" + "/".join(str(p) for p in path))
         if geometry is None:
-            pieces.append((path, t, (0,) * t.dim(), tuple(t.shape)))
+            pieces.append((path, t, (0,) * t.dim(), tuple(t.shape), None))
         else:
             if list(t.shape) != list(geometry["local_shape"]):
                 raise CheckpointMismatchError(
                     f"the snapshot's piece of {'.'.join(map(str, path))} has shape {tuple(t.shape)}, "
                     f"its record says {tuple(geometry['local_shape'])}")
-            pieces.append((path, t, tuple(geometry["offset"]), tuple(geometry["global_shape"])))
+            pieces.append((path, t, tuple(geometry["offset"]), tuple(geometry["global_shape"]),
+                           bool(geometry.get("writes", True))))
     return pieces

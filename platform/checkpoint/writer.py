@@ -1,21 +1,27 @@
-"""Stage 2 of a save: a background thread writes the host snapshot and commits it atomically.
+"""Stage 2 of a save: a background thread writes the host snapshot and commits it.
 
-Per save, on every rank: write this rank's shard files into `step-N.tmp/` through fsspec,
-hashing them on the way out (SHA-256) and fsyncing them on a local disk, then report the
-checksums to the commit ledger (for a DCP data file, with each record's place and checksum:
-`dcp_format.py`). On the coordinator (rank 0) additionally: wait until every rank has
-reported, write DCP's `.metadata` from the reports, then the manifest, make the directory a
-checkpoint (a local disk: fsync, then one atomic rename of the directory; an object store,
-where a "rename" is a copy: move the shards, then write the manifest last), point `latest` at
-it, and apply retention (the newest commit is always kept; a rollback's fenced checkpoints go,
-`lineage.py`).
+Per save, on every rank: write this rank's files straight into the step's directory
+(`layout.save_dir_name`: `step-N/`, or the next revision when step N is committed already)
+through fsspec, the DCP data file by several threads with its checksums computed beside the
+writes (`records.py`), fsynced on a local disk; then report the checksums to the commit ledger
+(for a DCP data file, with each record's place and checksum). On the coordinator (rank 0)
+additionally: wait until every rank has reported, check with one listing that every reported
+file is there at its size, write DCP's `.metadata` from the reports, then the manifest, last:
+the manifest is what makes the directory a checkpoint (`layout.py`), so nothing is renamed or
+moved (on an object store a move is a copy of every byte); then point `latest` at it and apply
+retention (the newest commit is always kept; a rollback's fenced checkpoints go, `lineage.py`).
+
+A save that fails removes what it wrote at once (the coordinator, whose commit a failure
+aborts, the whole uncommitted directory), so a disk that stays full is not filled further by
+every retry; a crash leaves a directory without a manifest, which nothing restores and the next
+attempt sweeps (`layout.sweep_uncommitted`).
 
 A thread, not a process: the snapshot already lives in host memory that a fork must never
-copy (pinned buffers), torch.save spends most of its time in writes that release the GIL, and
-a thread shares the snapshot without a copy. At most one save is in flight; the caller decides
-whether a new save waits for it or is skipped. A failure is kept and re-raised to the trainer
-(`raise_if_failed`), reported to the ledger (so the coordinator does not wait for a rank that
-will never report) and to the `on_done` callback (metrics).
+copy (pinned buffers), the writes and the hashing release the GIL, and a thread shares the
+snapshot without a copy. At most one save is in flight; the caller decides whether a new save
+waits for it or is skipped. A failure is kept and re-raised to the trainer (`raise_if_failed`),
+reported to the ledger (so the coordinator does not wait for a rank that will never report)
+and to the `on_done` callback (metrics).
 """
 
 from __future__ import annotations
@@ -34,18 +40,21 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from longrun.checkpoint.commit import CommitAborted, CommitLedger
-from longrun.checkpoint.dcp_format import METADATA_FILE, metadata_bytes, write_pieces
+from longrun.checkpoint.dcp_format import METADATA_FILE, metadata_bytes
 from longrun.checkpoint.layout import (
     MANIFEST,
     apply_retention,
-    delete_step_dir,
-    step_dir_name,
-    tmp_dir_name,
+    fsync_dir,
+    replace_file,
+    save_dir_name,
     write_latest,
 )
 from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.checkpoint.manifest import HashingWriter, Manifest, ShardInfo
+from longrun.checkpoint.records import lay_out, write_local, write_stream
 from longrun.checkpoint.snapshot import Snapshot
+
+__all__ = ["CheckpointWriteError", "CheckpointWriter", "SaveJob", "SaveResult", "fsync_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +78,6 @@ class SaveResult:
     total_s: float  # from submit to done (commit included on the coordinator)
     bytes: int
     error: BaseException | None = field(default=None, repr=False)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointWriter:
@@ -167,25 +168,29 @@ class CheckpointWriter:
 
     def _save(self, job: SaveJob) -> SaveResult:
         start = time.perf_counter()
-        tmp = f"{self.root}/{tmp_dir_name(job.step)}"
         written = 0
         write_s = 0.0
+        step_dir, created = None, []  # what this save wrote: removed again if it fails
         try:
-            self.fs.makedirs(tmp, exist_ok=True)
+            name = save_dir_name(self.fs, self.root, job.step)
+            step_dir = f"{self.root}/{name}"
+            self.fs.makedirs(step_dir, exist_ok=True)
             with self._lock:
                 injected, self._fail_next = self._fail_next, None
             if injected is not None:
                 raise OSError(errno.ENOSPC, f"No space left on device ({injected})")
             files: dict[str, ShardInfo] = {}
             job.snapshot.wait()  # the device-to-host copy, if it is still running
-            for name, tree in job.snapshot.tree.items():
-                write = self._write_pieces if name.endswith(".distcp") else self._write_shard
-                files[name] = write(f"{tmp}/{name}", tree)
-                written += files[name].bytes
+            for file_name, tree in job.snapshot.tree.items():
+                path = f"{step_dir}/{file_name}"
+                created.append(path)
+                write = self._write_pieces if file_name.endswith(".distcp") else self._write_shard
+                files[file_name] = write(path, tree)
+                written += files[file_name].bytes
             write_s = time.perf_counter() - start
             self.ledger.report(job.step, self.rank, files)
             if self.coordinator:
-                self._commit(job, tmp)
+                self._commit(job, step_dir, name)
             return SaveResult(job.step, True, write_s, time.perf_counter() - start, written)
         except BaseException as exc:
             log.error("rank %d: checkpoint of step %d failed: %s", self.rank, job.step, exc)
@@ -193,7 +198,27 @@ class CheckpointWriter:
                 self.ledger.report(job.step, self.rank, None, error=f"{type(exc).__name__}: {exc}")
             except Exception:
                 log.exception("could not report the failure to the commit ledger")
+            if step_dir is not None:
+                self._remove_partial(step_dir, created)
             return SaveResult(job.step, False, write_s, time.perf_counter() - start, written, exc)
+
+    def _remove_partial(self, step_dir: str, created: list[str]) -> None:
+        """After a failed save: this rank's files, and on the coordinator (its commit is off)
+        the whole directory, unless a manifest made it a checkpoint after all (a failure after
+        the commit, say in retention, leaves what was committed)."""
+        try:
+            if self.fs.exists(f"{step_dir}/{MANIFEST}"):
+                return
+            if self.coordinator:
+                if self.fs.exists(step_dir):
+                    self.fs.rm(step_dir, recursive=True)
+                return
+            for path in created:
+                if self.fs.exists(path):
+                    self.fs.rm_file(path)
+        except Exception as exc:  # the sweep at the next attempt's start gets what is left
+            log.warning("rank %d: could not remove the failed save's files under %s: %s",
+                        self.rank, step_dir, exc)
 
     def _write_shard(self, path: str, tree: Any) -> ShardInfo:
         with self.fs.open(path, "wb") as f:
@@ -210,25 +235,22 @@ class CheckpointWriter:
         return out.info()
 
     def _write_pieces(self, path: str, pieces: dict[str, dict[str, Any]]) -> ShardInfo:
-        """A DCP data file: one torch.save record per tensor piece (`dcp_format.py`)."""
+        """A DCP data file: one torch.save record per tensor piece (`records.py`), by several
+        threads on a local disk, streamed to an object store."""
+        records = lay_out(pieces)
+        if self._local:
+            return write_local(path, records)
         with self.fs.open(path, "wb") as f:
-            out = HashingWriter(f)
-            items = write_pieces(out, pieces)
-            out.flush()
-            if self._local:
-                os.fsync(f.fileno())
-        info = out.info()
-        info.items = items
-        return info
+            return write_stream(f, records)
 
-    def _write_metadata(self, tmp: str, files: dict[str, ShardInfo]) -> ShardInfo:
+    def _write_metadata(self, step_dir: str, files: dict[str, ShardInfo]) -> ShardInfo:
         """DCP's `.metadata` for the pieces every rank reported, so `dcp.load` reads the
         checkpoint as is. Raises CommitAborted when the pieces do not cover every tensor."""
         try:
             raw = metadata_bytes(files)
         except ValueError as exc:
             raise CommitAborted(f"step not committed: {exc}") from None
-        with self.fs.open(f"{tmp}/{METADATA_FILE}", "wb") as f:
+        with self.fs.open(f"{step_dir}/{METADATA_FILE}", "wb") as f:
             out = HashingWriter(f)
             out.write(raw)
             out.flush()
@@ -236,13 +258,15 @@ class CheckpointWriter:
                 os.fsync(f.fileno())
         return out.info()
 
-    def _check_visible(self, tmp: str, files: dict[str, ShardInfo]) -> None:
+    def _check_visible(self, step_dir: str, files: dict[str, ShardInfo]) -> set[str]:
         """Every file the ranks reported is where the restore will look, at the size written
         (one listing): a rank that wrote to a directory of its own node (a checkpoint.dir not
-        shared) must fail the commit, not leave a manifest naming pieces no one else can read."""
+        shared) must fail the commit, not leave a manifest naming pieces no one else can read.
+        Returns the names listed that no rank reported (leftovers of a save that died here)."""
+        self.fs.invalidate_cache()  # other processes wrote them: no listing remembered from before
         try:
             listed = {entry["name"].rsplit("/", 1)[-1]: entry.get("size")
-                      for entry in self.fs.ls(tmp, detail=True)}
+                      for entry in self.fs.ls(step_dir, detail=True)}
         except FileNotFoundError:
             listed = {}
         wrong = [f"{name} ({'missing' if name not in listed else f'{listed[name]} bytes, not {info.bytes}'})"
@@ -250,40 +274,31 @@ class CheckpointWriter:
                  if name not in listed or (listed[name] is not None and listed[name] != info.bytes)]
         if wrong:
             raise CheckpointWriteError(
-                f"{len(wrong)} file(s) the ranks reported written are not in {tmp} as written: "
+                f"{len(wrong)} file(s) the ranks reported written are not in {step_dir} as written: "
                 f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. checkpoint.dir must be one "
                 "directory every node shares")
+        return set(listed) - set(files) - {MANIFEST}
 
-    def _commit(self, job: SaveJob, tmp: str) -> None:
+    def _commit(self, job: SaveJob, step_dir: str, name: str) -> None:
         if job.manifest is None:
             raise ValueError("the coordinator's save needs a manifest")
         try:
             job.manifest.files = self.ledger.wait_all(job.step, self.world_size, self.commit_timeout_s)
         finally:
             self.ledger.clear(job.step)
-        self._check_visible(tmp, job.manifest.files)
+        leftovers = self._check_visible(step_dir, job.manifest.files)
         if any(info.items for info in job.manifest.files.values()):
-            job.manifest.files[METADATA_FILE] = self._write_metadata(tmp, job.manifest.files)
+            job.manifest.files[METADATA_FILE] = self._write_metadata(step_dir, job.manifest.files)
         job.manifest.created_unix = time.time()
-        final = f"{self.root}/{step_dir_name(job.step)}"
-        if self.fs.exists(final):  # an earlier attempt committed this very step: keep one
-            delete_step_dir(self.fs, final)
         if self._local:
-            with self.fs.open(f"{tmp}/{MANIFEST}", "wb") as f:
-                f.write(job.manifest.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
-            os.rename(tmp, final)  # atomic: the checkpoint appears whole or not at all
+            fsync_dir(step_dir)  # the files' names are durable before a manifest names them
+        # The commit: one file, written whole or not at all (`layout.replace_file`).
+        replace_file(self.fs, f"{step_dir}/{MANIFEST}", job.manifest.to_json())
+        if self._local:
             fsync_dir(self.root)
-        else:
-            # Object stores have no atomic directory rename; the manifest written last is what
-            # makes the directory a checkpoint (layout.committed_steps looks for it).
-            for name in job.manifest.files:
-                self.fs.mv(f"{tmp}/{name}", f"{final}/{name}")
-            self.fs.pipe_file(f"{final}/{MANIFEST}", job.manifest.to_json())
-            self.fs.rm(tmp, recursive=True)
-        write_latest(self.fs, self.root, job.step)
+        for leftover in sorted(leftovers):  # not part of this checkpoint: nothing reads them
+            self.fs.rm(f"{step_dir}/{leftover}", recursive=True)
+        write_latest(self.fs, self.root, job.step, name)
         try:
             fenced = fenced_steps(self.fs, self.root)
         except FenceError as exc:  # which ones are abandoned is unknown: delete nothing

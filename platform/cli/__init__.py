@@ -28,7 +28,7 @@ import os
 from rich_argparse import RichHelpFormatter
 
 from longrun.cli import checkpoint, config, dashboards, data, doctor, jobs, report, run
-from longrun.cli.common import console, job_errors
+from longrun.cli.common import console, job_errors, shown
 from longrun.config import ConfigError
 
 FAMILIES = (run, jobs, config, doctor, checkpoint, data, dashboards, report)  # in the order --help lists them
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        console.print(f"[red]error[/]: {exc}", markup=True, highlight=False)
+        # The message quotes the config (keys, values): markup and control characters in it are
+        # the file's, shown as text ("[/x]" as a key had crashed Rich's markup parser).
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

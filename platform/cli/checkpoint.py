@@ -6,11 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.markup import escape
 from rich.table import Table
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli.common import console, out, print_json, size, when
+from longrun.cli.common import console, out, print_json, shown, size, when
 from longrun.config import load_config
 
 
@@ -44,7 +43,7 @@ def add_parsers(sub) -> None:
                      "one checkpoint: manifest, model config, parameter count; --verify its shards",
                      "Show a committed checkpoint: its manifest, the model config it was trained "
                      "with and the parameter count of its weights. --verify re-hashes every shard "
-                     "against the manifest's SHA-256 (exit 1 if any is corrupt or missing).")
+                     "against the manifest's checksum (exit 1 if any is corrupt or missing).")
     inspect.add_argument("--step", type=int, help="the step (default: the newest committed)")
     inspect.add_argument("--verify", action="store_true", help="re-check every shard's checksum")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -88,24 +87,24 @@ def cmd_checkpoint_list(args) -> int:
     if args.json:
         print_json(listing.to_json())
     else:
-        table = Table(title=f"checkpoints in {escape(listing.root)}")
+        table = Table(title=f"checkpoints in {shown(listing.root)}")
         for col in ("step", "created", "size", "shards", "world/dp", "latest"):
             table.add_column(col, justify="right" if col in ("step", "size", "shards") else "left")
         for e in listing.steps:
             if e.error:
-                table.add_row(str(e.step), f"[red]unreadable manifest[/]: {escape(e.error)}", "", "", "", "")
+                table.add_row(str(e.step), f"[red]unreadable manifest[/]: {shown(e.error)}", "", "", "", "")
                 continue
             table.add_row(str(e.step), when(e.created_unix), size(e.total_bytes), str(e.shards),
                           f"{e.world_size}/{e.dp_size}", "[green]<- latest[/]" if e.latest else "")
         if listing.steps:
             out.print(table)
         for p in listing.pending:
-            out.print(f"[yellow]in progress or abandoned[/]: {escape(p.path)} ({p.files} files, "
+            out.print(f"[yellow]in progress or abandoned[/]: {shown(p.path)} ({p.files} files, "
                       f"{size(p.total_bytes)}; not a checkpoint until committed)", highlight=False)
         if listing.latest_problem:
-            out.print(f"[yellow]note[/]: {escape(listing.latest_problem)}", highlight=False)
+            out.print(f"[yellow]note[/]: {shown(listing.latest_problem)}", highlight=False)
     if not listing.steps:
-        console.print(f"[red]error[/]: no committed checkpoint under {escape(listing.root)} "
+        console.print(f"[red]error[/]: no committed checkpoint under {shown(listing.root)} "
                       f"(only {len(listing.pending)} save(s) in progress or abandoned)", highlight=False)
         return 2
     return 0
@@ -115,8 +114,8 @@ def _key_values(rows, title: str | None = None) -> Table:
     table = Table(title=title, show_header=False, box=None, title_justify="left", padding=(0, 2, 0, 2))
     table.add_column(style="bold")
     table.add_column(overflow="fold")
-    for key, value in rows:
-        table.add_row(key, value)
+    for key, value in rows:  # a manifest's keys and values: text, not markup
+        table.add_row(shown(key), shown(value))
     return table
 
 
@@ -129,7 +128,7 @@ def cmd_checkpoint_inspect(args) -> int:
         print_json(result.to_json())
         return 1 if failed else 0
     m = result.manifest
-    out.print(f"[bold]{escape(result.path)}[/]" + (" [green](latest)[/]" if result.latest else ""),
+    out.print(f"[bold]{shown(result.path)}[/]" + (" [green](latest)[/]" if result.latest else ""),
               highlight=False)
     out.print(_key_values([
         ("step", str(m.step)),
@@ -151,10 +150,10 @@ def cmd_checkpoint_inspect(args) -> int:
 def _print_weights(result) -> None:
     w = result.weights
     if w is None:
-        out.print(f"[red]weights unreadable[/]: {escape(result.weights_error)}", highlight=False)
+        out.print(f"[red]weights unreadable[/]: {shown(result.weights_error)}", highlight=False)
         return
-    dtypes = ", ".join(sorted(w.dtypes))
-    tied = f"; tied: {' = '.join(w.tied)}" if w.tied else ""
+    dtypes = shown(", ".join(sorted(w.dtypes)))
+    tied = f"; tied: {shown(' = '.join(w.tied))}" if w.tied else ""
     out.print(f"[bold]parameters[/]: {w.parameters:,} ({w.tensors} tensors, {dtypes}, "
               f"{size(w.bytes)}{tied})", highlight=False)
 
@@ -165,11 +164,11 @@ def _print_checks(result) -> None:
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for c in result.checks:
         status = f"[green]{c.status}[/]" if c.status == "OK" else f"[red]{c.status}[/]"
-        table.add_row(c.name, f"{c.bytes:,}", status, c.detail)
+        table.add_row(shown(c.name), f"{c.bytes:,}", status, shown(c.detail))
     out.print(table)
     if result.corrupt:
         out.print(f"[red]CORRUPT[/]: {len(result.corrupt)} of {len(result.checks)} shards do not "
-                  f"match the manifest: {', '.join(result.corrupt)}", highlight=False)
+                  f"match the manifest: {shown(', '.join(result.corrupt))}", highlight=False)
     else:
         out.print(f"[green]all {len(result.checks)} shards OK[/]")
 
@@ -184,8 +183,8 @@ def cmd_checkpoint_export(args) -> int:
     with console.status(f"exporting the model weights of {root} to {args.out}"):
         result = export_weights(root, args.out, step=args.step, fmt=args.format,
                                 overwrite=args.force, tokenizer=tokenizer)
-    out.print(f"[green]wrote[/] {escape(result.out)} ({result.format}, {size(result.bytes)}): "
-              f"{result.parameters:,} parameters in {result.tensors} tensors from {escape(result.source)}",
+    out.print(f"[green]wrote[/] {shown(result.out)} ({result.format}, {size(result.bytes)}): "
+              f"{result.parameters:,} parameters in {result.tensors} tensors from {shown(result.source)}",
               highlight=False)
     return 0
 
@@ -198,9 +197,9 @@ def checkpoint_errors(exc: Exception) -> int | None:
     from longrun.interop.export import ExportError
 
     if isinstance(exc, CheckpointNotFound | ExportError):
-        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 2
     if isinstance(exc, CorruptShardError | ManifestError):
-        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 1
     return None

@@ -14,9 +14,27 @@ from rich.markup import escape
 
 from longrun.config import JobConfig, load_config
 
+# Control characters (C0 but tab, DEL, C1) and the bidirectional overrides that reorder what a
+# reader sees: shown as escapes, never sent to the terminal. Text from a job record, a manifest
+# or a config file is written by whoever could write there, and an escape sequence in it could
+# retitle the terminal, rewrite the screen or (OSC 52) set the clipboard.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
+_CONTROLS.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+_KEEP_NEWLINES = {c: v for c, v in _CONTROLS.items() if c != 0x0A}
+
 console = Console(stderr=True, soft_wrap=True)  # progress and errors
 out = Console(soft_wrap=True)  # results
 ADDRESS_HELP = "the Ray dashboard / Jobs API address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)"
+
+
+def printable(text: object, *, newlines: bool = False) -> str:
+    """`text` with every control character shown as an escape (newlines kept when asked)."""
+    return str(text).translate(_KEEP_NEWLINES if newlines else _CONTROLS)
+
+
+def shown(text: object, *, newlines: bool = False) -> str:
+    """`text` from outside longrun, safe in a Rich markup string: no controls, no markup."""
+    return escape(printable(text, newlines=newlines))
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +86,6 @@ def job_errors(exc: Exception) -> int | None:
     from longrun.submit import SubmitError
 
     if isinstance(exc, ServiceError | JobFailed | UnsupportedJob | SubmitError):
-        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 1
     return None

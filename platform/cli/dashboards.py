@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rich.markup import escape
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli.common import console, out
+from longrun.cli.common import console, out, shown
 
 
 def add_parsers(sub) -> None:
@@ -43,8 +42,8 @@ def cmd_dashboards_render(args) -> int:
     from longrun.observability import alerts, dashboards
 
     for path in dashboards.render(args.out):
-        out.print(f"[green]wrote[/] {escape(str(path))}", highlight=False)
-    out.print(f"[green]wrote[/] {escape(str(alerts.render_rules(args.rules)))}", highlight=False)
+        out.print(f"[green]wrote[/] {shown(str(path))}", highlight=False)
+    out.print(f"[green]wrote[/] {shown(str(alerts.render_rules(args.rules)))}", highlight=False)
     return 0
 
 
@@ -56,12 +55,12 @@ def cmd_dashboards_push(args) -> int:
     result = push_dashboards(args.grafana_url, folder=args.folder, prometheus_url=args.prometheus_url,
                              credential=credential_from_env())
     if result.folder_created:
-        out.print(f"created folder [bold]{escape(args.folder)}[/] ({result.folder_uid})", highlight=False)
+        out.print(f"created folder [bold]{shown(args.folder)}[/] ({result.folder_uid})", highlight=False)
     if result.datasource_created:
-        out.print(f"created Prometheus datasource for {escape(args.prometheus_url)}", highlight=False)
+        out.print(f"created Prometheus datasource for {shown(args.prometheus_url)}", highlight=False)
     base = args.grafana_url.rstrip("/")
     for uid, url in zip(result.dashboards, result.urls, strict=True):
-        out.print(f"[green]pushed[/] {uid}: {escape(base + url if url else uid)}", highlight=False)
+        out.print(f"[green]pushed[/] {uid}: {shown(base + url if url else uid)}", highlight=False)
     return 0
 
 
@@ -69,6 +68,6 @@ def dashboards_errors(exc: Exception) -> int | None:
     from longrun.observability.grafana import GrafanaPushError
 
     if isinstance(exc, GrafanaPushError | OSError):
-        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 1
     return None

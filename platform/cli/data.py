@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.markup import escape
 from rich.table import Table
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli.common import console, out, print_json, size
+from longrun.cli.common import console, out, print_json, shown, size
 
 
 def add_parsers(sub) -> None:
@@ -87,6 +86,9 @@ def _reading_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true",
                    help="refuse invalid UTF-8 and lone surrogate escapes, naming the file and line "
                    "(default: replace each with U+FFFD and count them)")
+    p.add_argument("--max-document-mb", type=float, default=256.0, metavar="MB",
+                   help="the largest document read (a text file, a jsonl line); a larger one is "
+                   "refused naming its file and line, never read whole (default: 256)")
 
 
 def cmd_data_prepare(args) -> int:
@@ -96,19 +98,29 @@ def cmd_data_prepare(args) -> int:
                       shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
                       shard_documents=args.shard_documents, progress=args.progress,
                       text_column=args.text_column, patterns=args.patterns or ("*",),
-                      strict=args.strict)
+                      strict=args.strict, max_document_bytes=_document_bytes(args))
     m = run.manifest
+    _warn_special(run.stats)
     for name in run.redone_shards:
-        console.print(f"[yellow]redone[/]: {name} failed its checksum", highlight=False)
+        console.print(f"[yellow]redone[/]: {shown(name)} failed its checksum", highlight=False)
     rate = run.tokens / run.seconds if run.seconds else 0.0
     done = (f"{run.documents:,} documents, {run.tokens:,} tokens in {run.seconds:.1f} s "
             f"({rate:,.0f} tokens/s)") if run.tokens else "nothing to do: already complete"
-    out.print(f"[green]prepared[/] {escape(args.out)}: {m['documents']:,} documents, {m['tokens']:,} "
+    out.print(f"[green]prepared[/] {shown(args.out)}: {m['documents']:,} documents, {m['tokens']:,} "
               f"tokens in {len(m['shards'])} shard(s) ({m['dtype']}); this run: {done}"
               + (f"; resumed after {run.resumed_shards} finished shard(s)" if run.resumed_shards else "")
               + _skipped(m), highlight=False)
     _warn_replaced(_replaced(m))
     return 0
+
+
+def _document_bytes(args) -> int:
+    return int(args.max_document_mb * (1 << 20))
+
+
+def _warn_special(stats) -> None:
+    if summary := stats.special_summary():
+        console.print(f"[yellow]warning[/]: {shown(summary)}", highlight=False)
 
 
 def _replaced(manifest: dict) -> str:
@@ -121,14 +133,15 @@ def _replaced(manifest: dict) -> str:
 
 def _warn_replaced(summary: str) -> None:
     if summary:
-        console.print(f"[yellow]warning[/]: {escape(summary)}; --strict refuses such input instead",
+        console.print(f"[yellow]warning[/]: {shown(summary)}; --strict refuses such input instead",
                       highlight=False)
 
 
 def _skipped(manifest: dict) -> str:
     skipped = manifest.get("skipped") or {}
     parts = [f"{n} {what}" for what, n in (("binary file(s)", skipped.get("binary_files", 0)),
-                                           ("empty document(s)", skipped.get("empty_documents", 0))) if n]
+                                           ("empty document(s)", skipped.get("empty_documents", 0)),
+                                           ("special file(s)", skipped.get("special_files", 0))) if n]
     return f"; skipped {', '.join(parts)}" if parts else ""
 
 
@@ -141,8 +154,8 @@ def cmd_data_inspect(args) -> int:
         try:
             write_mark(args.dir, shards.manifest_sha256, shards.stamps, by="data inspect --verify")
         except OSError as exc:  # a read-only copy: verified all the same, jobs will hash as they read
-            console.print(f"[yellow]warning[/]: could not record {escape(args.dir)} as verified "
-                          f"({escape(str(exc))}); training jobs will hash each shard when they first read it",
+            console.print(f"[yellow]warning[/]: could not record {shown(args.dir)} as verified "
+                          f"({shown(exc)}); training jobs will hash each shard when they first read it",
                           highlight=False)
     m = shards.manifest
     if args.json:
@@ -151,21 +164,22 @@ def cmd_data_inspect(args) -> int:
     t = m["tokenizer"]
     lengths = shards.lengths
     replaced = _replaced(m)
-    out.print(f"[bold]{escape(args.dir)}[/]: {m['documents']:,} documents, {m['tokens']:,} tokens "
-              f"({m['dtype']}); tokenizer {t['kind']}, {t['vocab_size']:,} ids, sha256 {t['sha256']}; "
+    out.print(f"[bold]{shown(args.dir)}[/]: {m['documents']:,} documents, {m['tokens']:,} tokens "
+              f"({shown(m['dtype'])}); tokenizer {shown(t['kind'])}, {t['vocab_size']:,} ids, "
+              f"sha256 {shown(t['sha256'])}; "
               f"document length mean {lengths.mean():,.0f}, max {lengths.max():,}"
-              + _skipped(m) + (f"; {escape(replaced)}" if replaced else ""), highlight=False)
+              + _skipped(m) + (f"; {shown(replaced)}" if replaced else ""), highlight=False)
     table = Table()
     for col in ("shard", "documents", "tokens", "bytes", "bin sha256"):
         table.add_column(col, justify="right" if col in ("documents", "tokens", "bytes") else "left")
     item = 2 if m["dtype"] == "uint16" else 4
     for e in m["shards"]:
-        table.add_row(e["name"], f"{e['documents']:,}", f"{e['tokens']:,}", size(e["tokens"] * item),
-                      e["bin_sha256"][:16])
+        table.add_row(shown(e["name"]), f"{e['documents']:,}", f"{e['tokens']:,}", size(e["tokens"] * item),
+                      shown(e["bin_sha256"][:16]))
     out.print(table)
     if args.verify:
         out.print(f"[green]all {len(m['shards'])} shards match their sha256[/]; recorded in "
-                  f"{escape(str(Path(args.dir) / MARK))}")
+                  f"{shown(str(Path(args.dir) / MARK))}")
     return 0
 
 
@@ -176,10 +190,11 @@ def cmd_tokenizer_train(args) -> int:
     stats = SourceStats()
     tok = train_bpe(args.inputs, args.vocab_size, args.out, progress=args.progress,
                     patterns=args.patterns or ("*",), text_column=args.text_column, overwrite=args.force,
-                    strict=args.strict, stats=stats)
+                    strict=args.strict, stats=stats, max_document_bytes=_document_bytes(args))
+    _warn_special(stats)
     _warn_replaced(stats.summary())
-    out.print(f"[green]trained[/] a byte-level BPE of {tok.vocab_size:,} ids -> {escape(args.out)} "
-              f"(sha256 {tok.sha256}); use it with --tokenizer {escape(args.out)} or data.tokenizer",
+    out.print(f"[green]trained[/] a byte-level BPE of {tok.vocab_size:,} ids -> {shown(args.out)} "
+              f"(sha256 {tok.sha256}); use it with --tokenizer {shown(args.out)} or data.tokenizer",
               highlight=False)
     return 0
 
@@ -189,6 +204,6 @@ def data_errors(exc: Exception) -> int | None:
     from longrun.data.errors import DataError
 
     if isinstance(exc, DataError):
-        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 2
     return None

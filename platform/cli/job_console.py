@@ -9,9 +9,9 @@ the bottom while the lines scroll above it.
 from __future__ import annotations
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from longrun.cli.common import shown
 from longrun.observability.progress import StepLine, hms
 
 
@@ -36,9 +36,9 @@ class JobConsole:
     def line(self, line: str) -> None:
         """One line from the controller (its `on_event`)."""
         if isinstance(line, StepLine):
-            self.console.print(escape(line), highlight=False)
+            self.console.print(shown(line), highlight=False)
             if self._bar is not None:
                 self._bar.update(self._task, completed=line.step, description=f"attempt {line.attempt}",
                                  detail=f"loss {line.loss:.4f}  eta {hms(line.eta_s)}")
         else:
-            self.console.print(f"[cyan]{escape(line)}[/]", highlight=False)
+            self.console.print(f"[cyan]{shown(line)}[/]", highlight=False)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 
-from rich.markup import escape
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli.common import ADDRESS_HELP, add_config_args, address, console, load, out
+from longrun.cli.common import ADDRESS_HELP, add_config_args, address, console, load, out, shown
 
 
 def add_parsers(sub) -> None:
@@ -85,7 +84,7 @@ def cmd_submit(args) -> int:
         return 0
     submit.logs(cluster, job.id, follow=True, write=_print_chunk)
     final = submit.wait(cluster, job.id, timeout_s=60)
-    console.print(f"job {job.id}: {final}", highlight=False)
+    console.print(f"job {shown(job.id)}: {shown(final)}", highlight=False)
     return 0 if final == "SUCCEEDED" else 1
 
 
@@ -94,24 +93,25 @@ def cmd_status(args) -> int:
 
     info = submit.status(address(args), args.id, redis_url=args.redis_url)
     view = info["controller"]
-    out.print(f"job {info['id']}: ray {info['ray_status']}"
-              + (f" ({escape(info['message'])})" if info["message"] else ""), highlight=False)
-    out.print(f"source: {escape(view.source)}", highlight=False)
-    out.print(f"controller: {view.state or 'not started'}"
-              + (f" ({escape(view.reason)})" if view.reason else ""), highlight=False)
-    out.print(f"attempt {view.attempt}, step {view.step or '-'}"
+    # Every field below is the cluster's or the job record's: shown as text, controls escaped.
+    out.print(f"job {shown(info['id'])}: ray {shown(info['ray_status'])}"
+              + (f" ({shown(info['message'])})" if info["message"] else ""), highlight=False)
+    out.print(f"source: {shown(view.source)}", highlight=False)
+    out.print(f"controller: {shown(view.state or 'not started')}"
+              + (f" ({shown(view.reason)})" if view.reason else ""), highlight=False)
+    out.print(f"attempt {shown(view.attempt)}, step {shown(view.step or '-')}"
               + (f", loss {view.loss:.4f}" if view.loss is not None else ""), highlight=False)
     if view.size:
-        out.print(f"size: {view.size}", highlight=False)
+        out.print(f"size: {shown(view.size)}", highlight=False)
     if view.goodput:
-        out.print(escape(view.goodput), highlight=False)
+        out.print(shown(view.goodput), highlight=False)
     if view.stragglers:
-        out.print(f"stragglers: {escape(view.stragglers)}", highlight=False)
-    out.print(f"evicted nodes: {', '.join(view.evicted) or 'none'}", highlight=False)
+        out.print(f"stragglers: {shown(view.stragglers)}", highlight=False)
+    out.print(f"evicted nodes: {shown(', '.join(view.evicted) or 'none')}", highlight=False)
     for line in view.events:
-        out.print(f"  {escape(line)}", highlight=False)
+        out.print(f"  {shown(line)}", highlight=False)
     if info["longrun"]:
-        out.print(f"longrun {escape(info['longrun'])}, shipped with the job", highlight=False)
+        out.print(f"longrun {shown(info['longrun'])}, shipped with the job", highlight=False)
     return 0
 
 
@@ -120,8 +120,8 @@ def cmd_logs(args) -> int:
 
     if args.rank is None:
         if os.path.isdir(args.id):
-            console.print(f"{escape(args.id)} is a job's directory: pass --rank R for one rank's log, or "
-                          f"run `longrun report {escape(args.id)}`", highlight=False)
+            console.print(f"{shown(args.id)} is a job's directory: pass --rank R for one rank's log, or "
+                          f"run `longrun report {shown(args.id)}`", highlight=False)
             return 2
         submit.logs(address(args), args.id, follow=args.follow, write=_print_chunk)
         return 0
@@ -136,7 +136,7 @@ def _rank_log(args) -> int:
     try:
         path = find_rank_log(run_dir, args.rank, args.attempt)
     except FileNotFoundError as exc:
-        console.print(f"[red]{escape(str(exc))}[/]"
+        console.print(f"[red]{shown(str(exc))}[/]"
                       + ("" if os.path.isdir(args.id) else " (the files are on the cluster's head)"),
                       highlight=False)
         return 1
@@ -151,7 +151,7 @@ def cmd_stop(args) -> int:
     from longrun import submit
 
     stopped = submit.stop(address(args), args.id, force=args.force, redis_url=args.redis_url)
-    out.print(f"{args.id}: {'stop requested' if stopped else 'already ended'}", highlight=False)
+    out.print(f"{shown(args.id)}: {'stop requested' if stopped else 'already ended'}", highlight=False)
     return 0
 
 
@@ -162,5 +162,5 @@ def cmd_list(args) -> int:
     if not jobs:
         out.print("no longrun jobs on this cluster")
     for job in jobs:
-        out.print(f"{job['id']}  {job['status']:10s}  {job['job']}", highlight=False)
+        out.print(f"{shown(job['id'])}  {shown(job['status']):10s}  {shown(job['job'])}", highlight=False)
     return 0

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rich.markup import escape
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli.common import ADDRESS_HELP, address, console, out
+from longrun.cli.common import ADDRESS_HELP, address, console, out, shown
 
 
 def add_parsers(sub) -> None:
@@ -36,9 +35,9 @@ def cmd_report(args) -> int:
         from longrun import submit
 
         job_dir = Path(submit.run_dir_of(address(args), args.job_dir))  # where its controller wrote
-    with console.status(f"reading the journal of {escape(str(job_dir))}"):
+    with console.status(f"reading the journal of {shown(str(job_dir))}"):
         path = write_report(job_dir, args.out)
-    out.print(f"[green]wrote[/] {escape(str(path))}", highlight=False)
+    out.print(f"[green]wrote[/] {shown(str(path))}", highlight=False)
     return 0
 
 
@@ -47,6 +46,6 @@ def report_errors(exc: Exception) -> int | None:
     from longrun.observability.report import ReportError
 
     if isinstance(exc, ReportError | OSError):
-        console.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 2 if isinstance(exc, ReportError) else 1
     return None

@@ -7,11 +7,11 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
-from rich.markup import escape
 from rich_argparse import RichHelpFormatter
 
-from longrun.cli.common import add_config_args, console, load
+from longrun.cli.common import add_config_args, console, load, shown
 from longrun.cli.job_console import JobConsole
+from longrun.safe_files import replace_file
 
 
 def add_parsers(sub) -> None:
@@ -20,16 +20,22 @@ def add_parsers(sub) -> None:
                          description="Run a job on this machine. Starts an embedded Redis and a Ray head "
                          "on 127.0.0.1 unless cluster.redis_url / cluster.address name existing ones.")
     add_config_args(run)
+    run.add_argument("--ray-dashboard", action="store_true",
+                     help="also start the embedded Ray head's dashboard (on 127.0.0.1, signed in to "
+                     "with the head's token, whose file is printed)")
     run.set_defaults(func=cmd_run)
 
 
 def cmd_run(args) -> int:
     cfg = load(args)
-    from longrun.services.ray_head import embedded_env
+    from longrun.services.ray_head import embedded_env, new_token
 
+    token = None
     if cfg.cluster.address is None:
-        # Ray reads these when it is first imported, so before anything imports it.
-        os.environ.update(embedded_env(dict(os.environ)))
+        # The embedded head's token, made here: Ray reads the auth mode when it is first imported,
+        # so the driver's environment holds both before anything imports it.
+        token = new_token()
+        os.environ.update(embedded_env(dict(os.environ), token))
     if not console.is_terminal:  # piped or in a file: what Ray itself prints, without colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from longrun.config.runnable import check_runnable
@@ -37,19 +43,19 @@ def cmd_run(args) -> int:
     check_runnable(cfg)  # before any service starts
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    replace_file(run_dir / "config.yaml", cfg.to_yaml(), sync=False)  # never through a planted link
     console.print(f"[bold]longrun[/] job [bold]{cfg.job.name}[/]: {cfg.world_size} worker(s), layout "
                   f"{cfg.dims.layout_name}, {cfg.training.steps} steps; resolved config in "
                   f"{run_dir / 'config.yaml'}")
-    summary = _run_with_services(cfg)
-    goodput = f"; {escape(summary['goodput_line'])}" if summary.get("goodput_line") else ""
+    summary = _run_with_services(cfg, token, dashboard=args.ray_dashboard)
+    goodput = f"; {shown(summary['goodput_line'])}" if summary.get("goodput_line") else ""
     if summary.get("stopped"):
-        console.print(f"[yellow]stopped[/]: {escape(summary['reason'])}{goodput}", highlight=False)
+        console.print(f"[yellow]stopped[/]: {shown(summary['reason'])}{goodput}", highlight=False)
         return 130
     if summary.get("preempted"):
         from longrun.controller.driver import EXIT_PREEMPTED
 
-        console.print(f"[yellow]preempted[/]: {escape(summary['reason'])}; run the same command to resume"
+        console.print(f"[yellow]preempted[/]: {shown(summary['reason'])}; run the same command to resume"
                       f"{goodput}", highlight=False)
         return EXIT_PREEMPTED
     done = f"[green]done[/]: {summary['step']} steps"
@@ -61,8 +67,9 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _run_with_services(cfg) -> dict:
-    """Run the job against the configured Redis and Ray, or embedded ones stopped at the end."""
+def _run_with_services(cfg, token: str | None, *, dashboard: bool = False) -> dict:
+    """Run the job against the configured Redis and Ray, or embedded ones stopped at the end
+    (the head with `token`, its dashboard only when asked)."""
     import ray
 
     from longrun.controller.driver import run_job
@@ -79,9 +86,13 @@ def _run_with_services(cfg) -> dict:
         if address is None:
             with console.status("starting an embedded Ray head on 127.0.0.1 (takes ~10 s)"):
                 # One logical CPU per worker at least, so a multi-worker job fits on one machine.
-                head = stack.enter_context(EmbeddedRay(num_cpus=max(os.cpu_count() or 1, cfg.world_size)))
+                head = stack.enter_context(EmbeddedRay(num_cpus=max(os.cpu_count() or 1, cfg.world_size),
+                                                       include_dashboard=dashboard, auth_token=token))
             address = head.address
-            console.print(f"ray: embedded head at {address}, dashboard {head.dashboard_url}")
+            shown_dashboard = (f"dashboard {head.dashboard_url}, sign in with the token in {head.token_file}"
+                               if dashboard else "no dashboard (--ray-dashboard starts one)")
+            console.print(f"ray: embedded head at {address} (token authentication), {shown_dashboard}",
+                          highlight=False)
         # Ranks' output goes to their log files (<output_dir>/<job>/logs/), not through Ray to
         # this console, which shows the job as one: its progress lines and state changes.
         ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=False)

@@ -27,6 +27,8 @@ from typing import Any
 import hiredis
 from redis.connection import parse_url
 
+from longrun.redis_password import REDIS_SCHEMES
+
 
 class RespError(Exception):
     """An error reply from the server (e.g. NOSCRIPT, WRONGPASS)."""
@@ -47,6 +49,11 @@ class RespConnection:
     """One socket to one server; `call(*args)` sends a command and returns its reply."""
 
     def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float, name: str | None = None):
+        if not url.startswith(REDIS_SCHEMES):
+            # parse_url reads a unix:// URL as a socket path, and the TCP connect below would go
+            # to localhost:6379 with the password: refuse what this client cannot reach.
+            raise ValueError("the store connects over TCP only: give a redis:// or rediss:// URL, "
+                             "not a unix socket")
         opts = parse_url(url)
         self._address = (opts.get("host", "localhost"), int(opts.get("port", 6379)))
         sock = socket.create_connection(self._address, timeout=connect_timeout_s)

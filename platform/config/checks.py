@@ -167,6 +167,10 @@ def _pipeline_runs(cfg: JobConfig, dims: ParallelDims) -> Problems:
             "context parallelism with pipeline stages is not supported: each stage would need the CP "
             "plan of every micro-batch in flight. Set parallelism.cp to 1 and dynamic_cp to false, "
             "or parallelism.pp to 1")
+    if tr.compile == "model":
+        yield "training.compile", ("'model' compiles the whole model, and a pipeline rank holds "
+                                   "only its stages' part of it; set it to blocks (each block "
+                                   "compiled, in every stage) or none")
     if par.pp_virtual_stages > 1 and not multi:
         yield "parallelism.pp_virtual_stages", (
             f"{tr.pp_schedule} runs one stage per rank; set pp_virtual_stages to 1 or training.pp_schedule "

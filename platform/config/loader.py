@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from longrun.config.job import JobConfig
+from longrun.config.yaml_text import MAX_CONFIG_BYTES, YamlTextError, parse_yaml
 from longrun.kinds import FaultKind
 
 
@@ -33,15 +33,19 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> JobConfig:
     path = Path(path)
     source = str(path)
     if not path.is_file():
-        hint = "it is a directory" if path.is_dir() else "no such file"
+        hint = ("it is a directory" if path.is_dir() else
+                "it is not a regular file" if path.exists() else "no such file")
         raise ConfigError(source, [("", f"cannot read the config file: {hint}")])
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        reason = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(source, [("", f"invalid YAML{where}: {reason}")]) from None
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)  # never more than a config may hold
+        raw = parse_yaml(data.decode("utf-8")) or {}
+    except OSError as exc:
+        raise ConfigError(source, [("", f"cannot read the config file: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [("", f"the file is not UTF-8 text (byte {exc.start})")]) from None
+    except YamlTextError as exc:
+        raise ConfigError(source, [("", str(exc))]) from None
     return config_from_dict(raw, overrides, source=source)
 
 
@@ -62,6 +66,9 @@ def config_from_dict(raw: Any, overrides: Iterable[str] = (), source: str = "<di
         return JobConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(source, _problems_from(exc)) from None
+    except RecursionError:  # a mapping nested thousands deep where a section was expected
+        raise ConfigError(source, [("", "values nested too deeply; a config is a few levels of "
+                                    "sections")]) from None
 
 
 def apply_override(data: dict, item: str) -> None:
@@ -74,8 +81,8 @@ def apply_override(data: dict, item: str) -> None:
     if any(not p for p in parts):
         raise ValueError(f"empty segment in key {key!r}")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+        value = parse_yaml(text) if text.strip() else None
+    except YamlTextError:
         value = text  # not YAML: take it as a string and let validation judge it
     node = data
     for depth, part in enumerate(parts[:-1]):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from longrun.parallel.dims import CPImpl
 from longrun.parallel.schedules import PipelineSchedule
 from longrun.redis_password import (
+    REDIS_SCHEMES,
     REFERENCE,
     RedisPasswordError,
     as_reference,
@@ -31,6 +32,21 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 
+# Every count and duration has an upper bound. Past it a value is a typo or hostile, and it
+# would fail far from the line that set it: `health.heartbeat_timeout_s: 1e308` validated, then
+# overflowed in every worker turning it into a Redis expiry in milliseconds. A week bounds
+# every duration (the longest defaults are 30 minutes), 2^31 - 1 every count (int32: numpy
+# columns, torch sizes); rates and sizes must be finite.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_COUNT = 2**31 - 1
+Count = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+NonNegativeCount = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Duration = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+NonNegativeDuration = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
+FinitePositive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Factor = Annotated[float, Field(gt=1, allow_inf_nan=False)]
+
 _JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 
@@ -42,7 +58,8 @@ class Section(BaseModel):
 
 class JobSection(Section):
     name: str = Field(description="Lowercase letters, digits and '-' (used in keys, paths, labels).")
-    seed: NonNegativeInt = Field(0, description="Seed for weight init and data order.")
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(
+        0, description="Seed for weight init and data order.")
     output_dir: str = Field("runs", description="Directory under which runs/<name>/ is created.")
 
     @field_validator("name")
@@ -66,19 +83,26 @@ class ClusterSection(Section):
         "(or from the 0600 file $LONGRUN_REDIS_PASSWORD_FILE names); files longrun writes always "
         "hold that reference, never the password."
     )
-    nodes: PositiveInt = Field(1, description="Number of nodes the job spans.")
-    workers_per_node: PositiveInt = Field(1, description="Workers per node: one per accelerator.")
+    nodes: Count = Field(1, description="Number of nodes the job spans.")
+    workers_per_node: Count = Field(1, description="Workers per node: one per accelerator.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when present.")
-    device_memory_gb: PositiveFloat | None = Field(
+    device_memory_gb: FinitePositive | None = Field(
         None, description="Memory of one accelerator in GB; when set, a layout whose estimated "
         "per-rank memory (`longrun config plan`) does not fit is refused before anything is placed.")
-    peak_tflops: PositiveFloat | None = Field(
+    peak_tflops: FinitePositive | None = Field(
         None, description="One accelerator's dense peak TFLOP/s in the training dtype, for MFU; "
         "null: looked up for known GPUs (H100, H200, A100), none on CPU (MFU not reported).")
 
     @field_validator("redis_url")
     @classmethod
     def _password_from_the_environment(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(REDIS_SCHEMES):
+            # unix:// was parsed as TCP localhost:6379 by the store's client, which then sent the
+            # password there; and no worker on another node could reach a socket file anyway.
+            raise ValueError(
+                "must be a redis:// or rediss:// URL (unix sockets and other schemes are not "
+                "supported: workers on every node connect to it over TCP); give the server's host "
+                "and port, e.g. redis://:${LONGRUN_REDIS_PASSWORD}@HOST:6379/0")
         # Lenient: a worker's copy of the config may lack the variable (the controller hands
         # workers the URL itself); `runnable_problems` refuses an unresolved one where it runs.
         try:
@@ -99,22 +123,22 @@ class ClusterSection(Section):
 
 
 class ParallelismSection(Section):
-    dp: PositiveInt = Field(1, description="Data-parallel degree (outermost): replicas of the model.")
-    fsdp: PositiveInt = Field(1, description="Ranks sharding one replica's parameters, gradients "
+    dp: Count = Field(1, description="Data-parallel degree (outermost): replicas of the model.")
+    fsdp: Count = Field(1, description="Ranks sharding one replica's parameters, gradients "
                               "and optimizer state (FSDP2); with dp > 1 as well: HSDP, sharded "
                               "inside a replica and replicated across.")
     fsdp_reshard_after_forward: bool = Field(
         True, description="Free each block's gathered parameters after its forward and gather "
         "them again in backward (less memory); false keeps them until backward (less traffic).")
-    tp: PositiveInt = Field(1, description="Tensor-parallel degree (kept inside a node).")
-    cp: PositiveInt = Field(1, description="Context-parallel degree (static upper bound).")
-    pp: PositiveInt = Field(1, description="Pipeline-parallel degree: the model cut into this many "
+    tp: Count = Field(1, description="Tensor-parallel degree (kept inside a node).")
+    cp: Count = Field(1, description="Context-parallel degree (static upper bound).")
+    pp: Count = Field(1, description="Pipeline-parallel degree: the model cut into this many "
                             "ranks' worth of stages by transformer blocks (embedding on the first, "
                             "norm and output on the last).")
-    pp_virtual_stages: PositiveInt = Field(
+    pp_virtual_stages: Count = Field(
         1, description="Stages per pipeline rank for the multi-stage schedules (interleaved_1f1b, "
         "looped_bfs, interleaved_zero_bubble; zbv_zero_bubble holds 2): more stages, a smaller bubble.")
-    pp_layers: list[PositiveInt] | None = Field(
+    pp_layers: list[Count] | None = Field(
         None, description="Transformer blocks of each stage, first to last (pp x virtual stages "
         "counts summing to model.n_layers); null: an even split, the remainder to the first stages.")
     cp_impl: CPImpl = Field("ring", description="Attention across a CP group: ring, ulysses "
@@ -123,15 +147,16 @@ class ParallelismSection(Section):
 
 
 class ModelSection(Section):
-    vocab_size: PositiveInt = Field(260, description="256 byte values + the byte tokenizer's special tokens.")
-    dim: PositiveInt = 128
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4
-    n_kv_heads: PositiveInt | None = Field(None, description="Grouped-query attention; null = n_heads.")
-    ffn_dim: PositiveInt | None = Field(None, description="SwiGLU hidden size; null = 8/3 dim rounded to 64.")
-    max_seq_len: Annotated[int, Field(ge=2)] = Field(256, description="Longest document chunk, in tokens.")
-    rope_theta: PositiveFloat = 10000.0
-    norm_eps: PositiveFloat = 1e-5
+    vocab_size: Count = Field(260, description="256 byte values + the byte tokenizer's special tokens.")
+    dim: Count = 128
+    n_layers: Count = 2
+    n_heads: Count = 4
+    n_kv_heads: Count | None = Field(None, description="Grouped-query attention; null = n_heads.")
+    ffn_dim: Count | None = Field(None, description="SwiGLU hidden size; null = 8/3 dim rounded to 64.")
+    max_seq_len: Annotated[int, Field(ge=2, le=MAX_COUNT)] = Field(
+        256, description="Longest document chunk, in tokens.")
+    rope_theta: FinitePositive = 10000.0
+    norm_eps: FinitePositive = 1e-5
     tie_embeddings: bool = True
     init_from: str | None = Field(
         None, description="A local Hugging Face Llama directory (config.json, model.safetensors) "
@@ -170,10 +195,10 @@ class ModelSection(Section):
 class LengthDistribution(Section):
     """Lognormal document lengths, clipped to [min_len, max_len] (Dynamic-CP's benchmark shape)."""
 
-    min_len: PositiveInt = 128
-    max_len: PositiveInt = 8192
-    mean: PositiveFloat = 1024.0
-    sigma: PositiveFloat = 1.5
+    min_len: Count = 128
+    max_len: Count = 8192
+    mean: FinitePositive = 1024.0
+    sigma: FinitePositive = 1.5
 
     @model_validator(mode="after")
     def _ordered(self) -> LengthDistribution:
@@ -225,11 +250,12 @@ class DataSection(Section):
         "e.g. [{path: web, weight: 0.7}, {path: code, weight: 0.3}] (instead of data.path).")
     include: list[str] = Field(["*.py"], description="Glob patterns for files inside a directory.")
     synthetic: LengthDistribution = Field(default_factory=LengthDistribution)
-    micro_batch_tokens: PositiveInt = Field(
+    micro_batch_tokens: Count = Field(
         2048, description="Token budget of one micro-batch per rank (under context parallelism: "
         "the most tokens any rank holds). A step's global batch is training.global_batch_tokens "
         "(by default dp x fsdp x cp x grad_accum of these budgets), split among the ranks.")
-    prefetch: NonNegativeInt = Field(4, description="Steps' data prepared ahead by a background thread.")
+    prefetch: Annotated[int, Field(ge=0, le=1024)] = Field(
+        4, description="Steps' data prepared ahead by a background thread (each held in memory).")
 
     @model_validator(mode="before")
     @classmethod
@@ -276,30 +302,36 @@ class DataSection(Section):
 
 
 class TrainingSection(Section):
-    steps: PositiveInt = 100
-    grad_accum: PositiveInt = Field(
+    steps: Count = 100
+    grad_accum: Count = Field(
         1, description="Micro-batches per optimizer step at the configured layout: with "
         "global_batch_tokens unset, it sizes the global batch.")
-    global_batch_tokens: PositiveInt | None = Field(
+    global_batch_tokens: Annotated[int, Field(gt=0, le=2**48)] | None = Field(
         None, description="The token budget of one optimizer step over all ranks; null: "
         "data.micro_batch_tokens x grad_accum x the data span (dp x fsdp x cp ranks). Set it "
         "explicitly, or the controller pins it, so that a job resumed at another world size "
         "keeps the same global batch and optimizer trajectory.")
-    lr: PositiveFloat = 3e-4
+    lr: FinitePositive = 3e-4
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
-    warmup_steps: NonNegativeInt = 10
-    weight_decay: NonNegativeFloat = 0.1
+    warmup_steps: NonNegativeCount = 10
+    weight_decay: FiniteNonNegative = 0.1
     betas: tuple[Annotated[float, Field(gt=0, lt=1)], Annotated[float, Field(gt=0, lt=1)]] = (0.9, 0.95)
-    grad_clip: NonNegativeFloat = Field(1.0, description="Max global grad norm; 0 disables clipping.")
+    grad_clip: FiniteNonNegative = Field(1.0, description="Max global grad norm; 0 disables clipping.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="Per transformer block: none; full (keep only each block's input and "
         "recompute the rest in backward); selective (keep matmul, attention and collective "
         "outputs, recompute the cheap elementwise work).")
-    grad_sync_bucket_mb: PositiveFloat = Field(
+    compile: Literal["none", "blocks", "model"] = Field(
+        "none", description="torch.compile: none (eager); blocks (each transformer block compiled on "
+        "its own, attention left eager: torchtitan's regional compilation, composed with TP, FSDP, PP "
+        "and activation checkpointing); model (the whole model, one graph per stretch between "
+        "attentions; not with pipeline stages). 'none' stays the default until a GPU measurement "
+        "shows blocks faster.")
+    grad_sync_bucket_mb: FinitePositive = Field(
         25.0, description="Data-parallel gradient bucket size; smaller starts communication sooner."
     )
-    log_every: PositiveInt = Field(
+    log_every: Count = Field(
         1, description="The job's progress line (printed by the driver) every this many steps, and the last.")
     pp_schedule: PipelineSchedule = Field(
         "1f1b", description="Pipeline schedule (parallelism.pp > 1): gpipe, 1f1b, interleaved_1f1b, "
@@ -308,20 +340,23 @@ class TrainingSection(Section):
 
 class CheckpointSection(Section):
     dir: str | None = Field(None, description="fsspec URL; null = <output_dir>/<job>/checkpoints.")
-    interval_steps: PositiveInt = 50
-    memory_interval_steps: NonNegativeInt | None = Field(
-        None, description="Peer memory snapshots (controller jobs): every this many steps each rank's "
-        "state is also kept in host memory on its node and the next one, so a restart after a fault "
-        "loses no step. null: every step when a snapshot fits in the node's spare memory; 0: off.")
-    keep_last: PositiveInt = Field(3, description="Committed checkpoints kept (the newest is never deleted).")
+    interval_steps: Count = 50
+    memory_interval_steps: NonNegativeInt | Literal["auto"] | None = Field(
+        "auto", description="Peer memory snapshots (controller jobs): every this many steps each rank's "
+        "state (its replicas dividing it: one copy per shard) is also kept in host memory on its node "
+        "and the next one, so a restart after a fault loses at most that many steps. auto (or null): "
+        "the smallest interval whose send fits in its steps' compute time, measured on the job's "
+        "first steps and followed as it changes; 0: off. A snapshot due while the previous one is "
+        "still being sent is skipped (counted), never waited for.")
+    keep_last: Count = Field(3, description="Committed checkpoints kept (the newest is never deleted).")
     async_save: bool = Field(True, description="Write in the background; false waits for each commit.")
     when_busy: Literal["wait", "skip"] = Field(
         "wait", description="A save due while the previous one is still being written: wait for it, or skip."
     )
-    commit_timeout_s: PositiveFloat = Field(
+    commit_timeout_s: Duration = Field(
         600.0, description="How long the committing rank waits for every rank's shards."
     )
-    restore_timeout_s: PositiveFloat = Field(
+    restore_timeout_s: Duration = Field(
         600.0, description="How long a restoring rank waits for every rank to say whether it read "
         "and verified its part of a checkpoint; then the ranks that did not answer are named.")
 
@@ -332,11 +367,12 @@ FaultKind = Literal["kill", "hang", "raise", "nan", "slow", "hold", "fail_save"]
 class FaultSpec(Section):
     """One injected fault: on `rank`, when it reaches `step`, do `kind` (off unless listed)."""
 
-    rank: NonNegativeInt
-    step: NonNegativeInt
+    rank: NonNegativeCount
+    step: NonNegativeCount
     kind: FaultKind
-    seconds: NonNegativeFloat = Field(0.0, description="Duration for 'slow' (extra time per step).")
-    attempt: NonNegativeInt = Field(0, description="Only in this attempt, so a restart does not re-fire it.")
+    seconds: NonNegativeDuration = Field(0.0, description="Duration for 'slow' (extra time per step).")
+    attempt: NonNegativeCount = Field(
+        0, description="Only in this attempt, so a restart does not re-fire it.")
     release_file: str | None = Field(
         None, description="For 'hold': the rank waits (phase 'held', judged by the hard hang ceiling) "
         "until this file exists.")
@@ -349,7 +385,7 @@ class FaultSpec(Section):
         return self
 
 
-Seconds = PositiveFloat | Literal["auto"]
+Seconds = Duration | Literal["auto"]
 
 
 class StartupSection(Section):
@@ -382,42 +418,42 @@ class StartupSection(Section):
         "auto", description="The attempt's first step: first collectives, warm-up. auto: 180 s plus 3x "
         "the step's FLOPs per rank at 10% of cluster.peak_tflops (40 TFLOP/s on cuda, 0.02 on cpu "
         "when unset), at least the floor.")
-    storage_mb_per_s: PositiveFloat = Field(
+    storage_mb_per_s: FinitePositive = Field(
         100.0, description="The storage rate per rank (MB/s) the restore's deadline assumes until a "
         "restore of this job has measured one.")
-    floor_s: PositiveFloat = Field(
+    floor_s: Duration = Field(
         120.0, description="No 'auto' deadline is shorter than this (nor than health.hang_timeout_s).")
 
 
 class HealthSection(Section):
-    heartbeat_interval_s: PositiveFloat = 1.0
-    heartbeat_timeout_s: PositiveFloat = 5.0
-    hang_timeout_s: PositiveFloat = Field(
+    heartbeat_interval_s: Duration = 1.0
+    heartbeat_timeout_s: Duration = 5.0
+    hang_timeout_s: Duration = Field(
         120.0, description="Hard ceiling: no step progress for this long is a hang, whatever the step "
         "times. Training steps only: each start-up phase has its own deadline (health.startup).")
     startup: StartupSection = Field(default_factory=StartupSection)
-    collective_timeout_s: PositiveFloat = Field(
+    collective_timeout_s: Duration = Field(
         1800.0, description="Every process group's timeout: a collective (or group bring-up) waiting "
         "this long for a peer fails. A backstop: a stuck rank is declared by its hang timeout or "
         "start-up deadline first. Longer than any start-up phase, since a rank's first collectives "
         "may wait for a peer still restoring or building.")
-    hang_safety_factor: Annotated[float, Field(gt=1)] = Field(
+    hang_safety_factor: Factor = Field(
         5.0, description="Once step times are known, no progress for this x the slowest recent step "
         "(but at least hang_min_s) is a hang.")
-    hang_min_s: PositiveFloat = Field(10.0, description="Floor of the learned hang timeout.")
-    straggler_factor: Annotated[float, Field(gt=1)] = Field(1.5, description="Step time x median.")
-    straggler_patience: PositiveInt = Field(
+    hang_min_s: Duration = Field(10.0, description="Floor of the learned hang timeout.")
+    straggler_factor: Factor = Field(1.5, description="Step time x median.")
+    straggler_patience: Count = Field(
         5, description="Consecutive steps above straggler_factor x median before a rank is a straggler.")
-    loss_spike_factor: Annotated[float, Field(gt=1)] = Field(
+    loss_spike_factor: Factor = Field(
         10.0, description="A loss above this x the median of recent losses is a spike.")
-    store_outage_grace_s: NonNegativeFloat = Field(
+    store_outage_grace_s: NonNegativeDuration = Field(
         10.0, description="After Redis comes back, how long workers get to re-publish heartbeats "
         "before a missing one counts as dead.")
     node_agents: Literal["auto", "on", "off"] = Field(
         "auto", description="Heartbeats through one agent per node, which publishes one record for "
         "its ranks and sees a rank's process exit (health/node_agent.py): 'auto' from "
         "64 ranks on, 'on' or 'off' for any size.")
-    store_patience_s: PositiveFloat = Field(
+    store_patience_s: Duration = Field(
         60.0, description="How long job-state writes and checkpoint commit reports retry while Redis "
         "is unreachable (a restart, a failover) before the error is raised.")
     faults: list[FaultSpec] = Field(default_factory=list)
@@ -433,10 +469,10 @@ class HealthSection(Section):
 
 
 class RecoverySection(Section):
-    max_restarts: NonNegativeInt = 10
-    max_restarts_in_window: PositiveInt = Field(5, description="At most this many restarts ...")
-    restart_window_s: PositiveFloat = Field(3600.0, description="... within this many seconds.")
-    restart_backoff_s: NonNegativeFloat = Field(
+    max_restarts: NonNegativeCount = 10
+    max_restarts_in_window: Count = Field(5, description="At most this many restarts ...")
+    restart_window_s: Duration = Field(3600.0, description="... within this many seconds.")
+    restart_backoff_s: NonNegativeDuration = Field(
         1.0, description="Wait before a restart; doubled per restart in a row that got no further "
         "than the fault before it (at most 60 s), back to this once the job trains past it.")
     evict_on_failed_diagnostics: bool = True
@@ -444,27 +480,27 @@ class RecoverySection(Section):
         True, description="Evict the node of stragglers blamed on their node (health/stragglers.py: its "
         "ranks slow together with normal data) when a spare node or a shrink can take its place; "
         "stragglers of their data, pipeline stage or alone on a node are only reported. false: report all.")
-    skip_after_spikes: PositiveInt = Field(
+    skip_after_spikes: Count = Field(
         2, description="Loss spikes at the same step before its data window is skipped on restart.")
-    preemption_grace_s: PositiveFloat = Field(
+    preemption_grace_s: Duration = Field(
         120.0, description="After a stop request (SIGTERM or SIGINT to the controller, `longrun stop`, "
         "a drained node): how long the workers get to save a checkpoint at the next step boundary "
         "and commit it before everything is stopped anyway.")
     diagnostics: list[Literal["compute", "memory", "collective", "store"]] = Field(
         default_factory=lambda: ["compute", "memory", "collective", "store"]
     )
-    min_nodes: PositiveInt | None = Field(
+    min_nodes: Count | None = Field(
         None, description="Elastic continuation: when a lost or evicted node leaves too few to "
         "place the job's cluster.nodes within shrink_after_s, continue on the nodes left, down to "
         "this many (parallelism.dp shrinks first, then parallelism.fsdp; the global batch stays the "
         "same), and grow back to cluster.nodes at a checkpoint once they can be placed again. "
         "null: not elastic; a job whose nodes cannot all be placed fails (after node_wait_s).")
-    node_wait_s: NonNegativeFloat = Field(
+    node_wait_s: NonNegativeDuration = Field(
         600.0, description="A job that is not elastic and has run before: how long to wait for "
         "nodes to replace lost or evicted ones when too few are left to place it, before failing "
         "(a replacement node often joins within minutes); 0: fail at once. A job's first placement "
         "never waits: a cluster too small for it fails with the reason.")
-    shrink_after_s: NonNegativeFloat = Field(
+    shrink_after_s: NonNegativeDuration = Field(
         60.0, description="With min_nodes set: how long to wait for the job's full node count to "
         "become placeable before continuing on fewer nodes (or failing, below min_nodes).")
 
@@ -478,7 +514,7 @@ class ObservabilitySection(Section):
         0, description="The controller's /metrics and /sd (Prometheus http_sd) port; 0 picks a free one.")
     file_sd_path: str | None = Field(
         None, description="Also write the scrape targets to this Prometheus file_sd JSON file.")
-    linger_s: NonNegativeFloat = Field(
+    linger_s: NonNegativeDuration = Field(
         30.0, description="After the job ends FAILED, how long the controller keeps serving /metrics "
         "(if anything scraped it) so Prometheus records the final state and the alert fires.")
     grafana_url: str | None = None

@@ -55,7 +55,7 @@ from longrun.controller.job_state import JobRecordStore, job_status
 from longrun.controller.lease import ControllerLease, ControllerRunning
 from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
-from longrun.controller.precheck import checkpoint_problem, fence_rollback
+from longrun.controller.precheck import checkpoint_problem, fence_rollback, sweep_partial_saves
 from longrun.controller.rank_logs import RankLogs
 from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.user_view import user_view_listeners
@@ -235,6 +235,7 @@ class Controller:
         if problem is not None:
             self._fail(problem)
             return
+        sweep_partial_saves(self.cfg)  # no worker of this job is alive yet
         self._move(JobState.PLACING, self._placing_reason())
 
     def _on_placing(self) -> None:
@@ -318,6 +319,7 @@ class Controller:
             return  # the next step() stops the job
         self.attempt = self.attempt.next(recovery, keys.allocate_attempt(self.client, self.cfg.job.name,
                                                                         at_least=self.attempt.number + 1))
+        sweep_partial_saves(self.cfg)  # the last attempt's workers were stopped: none is saving
         self._move(JobState.PLACING, self._placing_reason())
 
     def _on_preempting(self) -> None:

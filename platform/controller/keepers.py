@@ -1,26 +1,31 @@
 """Where memory snapshots live: one keeper actor per node, outliving the attempts.
 
-Each rank sends every snapshot to two keepers: its own node's and the next node's in ring order
-over the job's nodes, so a node that is lost (with its keeper) leaves a copy of each of its
-ranks' state behind. A keeper holds the last two snapshots it was sent of every rank (the last
-to arrive, not the highest steps: after a rollback the new path's steps are lower); two, so the
-newest complete one survives while the next is being sent. Before each attempt, snapshots past
-the step it resumes from are dropped: they belong to a path the job abandoned.
+Each rank sends every snapshot (its part of its shard's: checkpoint/memory.py) to two keepers:
+its own node's and the next node's in ring order over the job's nodes, so a node that is lost
+(with its keeper) leaves a copy of each of its ranks' part behind. A keeper (snapshot_keeper.py,
+a threaded actor taking chunks from many ranks at once) holds the last two snapshots it was sent
+of every rank (the last to arrive, not the highest steps: after a rollback the new path's steps
+are lower); two, so the newest complete one survives while the next is being sent. Before each
+attempt, snapshots past the step it resumes from are dropped: they belong to a path the job
+abandoned.
 
 Snapshots are per rank of one layout: after a resize (an elastic job shrinking or growing,
 controller/elastic.py), rank r of the new world holds another piece of the state than rank r of
 the old one. So the keepers remember the layout they hold snapshots of (`Keepers.adopt`), and no
 restore from memory is ever planned across a layout change. Instead, before the layout changes,
 the old layout's newest complete snapshot, when newer than the newest committed checkpoint, is
-committed as a checkpoint (`Keepers.persist`: a short-lived actor reads every rank's snapshot
-from the keepers and writes it through the checkpoint writer, worker/snapshots.py), which the
-new layout restores by resharding like any checkpoint; then the keepers forget the old layout.
+committed as a checkpoint (`Keepers.persist`: a short-lived actor per node reads its node's
+ranks' snapshots from the keepers and writes them through the checkpoint writer, every node at
+once, one commit: controller/snapshot_commit.py), which the new layout restores by resharding
+like any checkpoint; then the keepers forget the old layout.
 A stop request between attempts does the same before the keepers go with the job.
 
 After a fault, `Keepers.plan` picks the newest step every rank has a snapshot of on a live
-keeper (only a step every rank finished counts) and lists, per rank, every keeper holding it;
-each worker tries them in turn, verifying (SHA-256), and all fall back to storage together only
-if some rank finds no good copy (checkpoint/memory.py, worker/snapshots.py). Keepers are the
+keeper (only a step every rank finished counts; the ranks take and skip snapshots at the same
+steps, so they hold the same ones) and lists, per rank, every keeper holding it; each worker
+fetches its own and its replicas' parts, trying those keepers in turn and verifying (xxh3 per
+chunk), and all fall back to storage together only if some rank finds no good copy
+(checkpoint/memory.py, worker/snapshots.py). Keepers are the
 controller's actors: they go when it goes, and a keeper on a node the job no longer uses goes
 once the attempt that might restore from it trains (`Keepers.prune`).
 """
@@ -40,56 +45,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from longrun.checkpoint.layout import committed_steps
 from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.config import JobConfig
-from longrun.failures import carried
+from longrun.controller.snapshot_commit import commit_in_parallel
+from longrun.controller.snapshot_keeper import KEEP_STEPS, THREADS, SnapshotKeeper
 
 log = logging.getLogger(__name__)
 
-KEEP_STEPS = 2  # per rank: the newest complete snapshot survives while the next is sent
-
-
-class SnapshotKeeper:
-    """Plain class; `Keepers` makes it a Ray actor pinned to one node."""
-
-    def __init__(self) -> None:
-        self._held: dict[int, dict[int, tuple[bytes, str]]] = {}  # rank -> step -> (blob, digest)
-
-    def put(self, rank: int, step: int, blob: Any, digest: str) -> None:
-        # A copy of its own, whatever arrived (a read-only view of the object store's copy,
-        # which goes once the sender drops it, or with a sender that dies).
-        blob = bytes(blob)
-        steps = self._held.setdefault(rank, {})
-        steps.pop(step, None)  # a step sent again (a replay) counts as the newest arrival
-        steps[step] = (blob, digest)
-        while len(steps) > KEEP_STEPS:  # dicts keep arrival order: drop the oldest arrival
-            del steps[next(iter(steps))]
-
-    def drop_after(self, step: int) -> None:
-        """Forget every snapshot of a step after `step` (the step the next attempt resumes
-        from): what came after it was trained on a path the job has left."""
-        for steps in self._held.values():
-            for late in [s for s in steps if s > step]:
-                del steps[late]
-
-    def get(self, rank: int, step: int) -> tuple[bytes, str]:
-        return self._held[rank][step]
-
-    def holdings(self) -> dict[int, list[int]]:
-        """rank -> the steps held for it."""
-        return {rank: sorted(steps) for rank, steps in self._held.items()}
-
-    def nbytes(self) -> int:
-        return sum(len(blob) for steps in self._held.values() for blob, _ in steps.values())
-
-
-class SnapshotCommitter:
-    """Plain class; `Keepers.persist` makes it a short-lived Ray actor. It runs in a process of
-    its own because committing reads and writes tensors (torch): the controller never does."""
-
-    @carried  # its errors may be torch's: they reach the controller torch-free
-    def commit(self, config: dict[str, Any], restore: dict[str, Any]) -> int:
-        from longrun.worker.snapshots import commit_from_keepers  # torch: in the actor's process only
-
-        return commit_from_keepers(config, restore)
+__all__ = ["KEEP_STEPS", "Keepers", "MemoryRestore", "SnapshotKeeper", "keeper_name", "keeper_targets",
+           "newest_committed_step"]
 
 
 @dataclass(frozen=True)
@@ -160,12 +122,8 @@ class Keepers:
         restore = self.plan(cfg.world_size, newer_than=newer_than, before_step=before_step)
         if restore is None:
             return None
-        committer = ray.remote(num_cpus=0, max_restarts=0)(SnapshotCommitter).remote()
-        try:
-            return ray.get(committer.commit.remote(cfg.model_dump(mode="json"), restore.to_dict()),
-                           timeout=timeout_s)
-        finally:
-            ray.kill(committer, no_restart=True)
+        names = {keeper_name(self.job, node): node for node in self._actors}
+        return commit_in_parallel(cfg, restore.to_dict(), names, timeout_s=timeout_s)
 
     def prune(self, nodes: Iterable[str]) -> None:
         """Let the keepers on nodes the job no longer uses go (evicted, or left by a resize):
@@ -179,7 +137,8 @@ class Keepers:
     def ensure(self, node_ids: Iterable[str], timeout_s: float = 60.0) -> None:
         """A live keeper on each of `node_ids`, ready (its name resolvable) before any worker
         looks it up."""
-        cls = ray.remote(num_cpus=0, max_restarts=0)(SnapshotKeeper)
+        # Threaded: chunks from every rank sending to it are taken at once (snapshot_keeper.py).
+        cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=THREADS)(SnapshotKeeper)
         started = []
         for node in node_ids:
             if node not in self._actors:

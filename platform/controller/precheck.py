@@ -1,5 +1,6 @@
 """Before any worker is placed: can this job resume from the checkpoints it would restore?
-And, when a rollback is decided, fence off the checkpoints of the abandoned path.
+What did a crashed save leave behind? And, when a rollback is decided, fence off the
+checkpoints of the abandoned path.
 
 Every worker refuses a checkpoint of another model, or of the earlier format (`restore.py`;
 any parallel layout is fine: it reshards), and a restart would only meet the same refusal on
@@ -14,7 +15,7 @@ import logging
 
 import fsspec
 
-from longrun.checkpoint.layout import MANIFEST, committed_steps, step_dir_name
+from longrun.checkpoint.layout import MANIFEST, committed_dirs, sweep_uncommitted
 from longrun.checkpoint.lineage import FENCES, FenceError, abandoned_reason, add_fence, read_fences
 from longrun.checkpoint.manifest import Manifest, ManifestError
 from longrun.config import JobConfig
@@ -31,7 +32,7 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
     fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
     root = root.rstrip("/")
     try:
-        steps = committed_steps(fs, root)
+        dirs = committed_dirs(fs, root)
     except OSError as exc:  # the workers will meet the storage too, and say so in their own error
         log.warning("checkpoint precheck: cannot list %s (%s); leaving it to the workers", root, exc)
         return None
@@ -43,8 +44,8 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
         log.warning("checkpoint precheck: cannot read %s/%s (%s); leaving it to the workers",
                     root, FENCES, exc)
         return None
-    for step in reversed(steps):
-        path = f"{root}/{step_dir_name(step)}/{MANIFEST}"
+    for step in sorted(dirs, reverse=True):
+        path = f"{root}/{dirs[step][0]}/{MANIFEST}"  # the newest revision is the step's checkpoint
         try:
             manifest = Manifest.from_json(fs.cat_file(path), where=path)
         except (ManifestError, OSError) as exc:
@@ -56,10 +57,30 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
         mismatch = manifest.incompatibility(cfg.model.model_dump(mode="json"))
         if mismatch is None:
             return None
-        return (f"cannot resume from {cfg.checkpoint_dir}/{step_dir_name(step)}: {mismatch}. "
+        return (f"cannot resume from {cfg.checkpoint_dir}/{dirs[step][0]}: {mismatch}. "
                 "Point checkpoint.dir elsewhere to start afresh, or run with the model the "
                 "checkpoint was written with.")
     return None
+
+
+def sweep_partial_saves(cfg: JobConfig) -> list[str]:
+    """Delete the step directories that saves of earlier attempts left without a manifest (a
+    worker killed mid-save), before an attempt is placed. Only here is it safe: no worker of the
+    job is alive (the last attempt's were stopped and confirmed dead), so none of them is a save
+    in progress; and only here is it timely: a disk a crashed save filled is freed before the
+    next attempt writes, not after its first commit (retention removes the earlier steps' too).
+    A failure is logged, never fatal. Returns what was deleted."""
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    try:
+        removed = sweep_uncommitted(fs, root.rstrip("/"))
+    except OSError as exc:
+        log.warning("could not sweep the uncommitted saves under %s (%s); retention removes them "
+                    "after the next commit", root, exc)
+        return []
+    if removed:
+        log.info("removed %d uncommitted save(s) under %s: %s", len(removed), root,
+                 ", ".join(p.rsplit("/", 1)[-1] for p in removed))
+    return removed
 
 
 def fence_rollback(cfg: JobConfig, before_step: int, reason: str) -> None:

@@ -27,6 +27,7 @@ from longrun.controller.attempt import Attempt
 from longrun.controller.listeners import Listener, first_line
 from longrun.controller.state import JobState, Transition
 from longrun.health.node_beats import Beats
+from longrun.safe_files import open_append
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class RankLogs(Listener):
             path = rank_log_path(self.run_dir, attempt, rank)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "a", encoding="utf-8") as f:
+                with open_append(path) as f:  # never through a link planted in the run dir
                     f.write("\n".join(new) + "\n")
                 self._failed = False
             except OSError as exc:  # a full disk must not stop the job

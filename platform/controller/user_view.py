@@ -52,6 +52,22 @@ class ProgressLines(Listener):
         self.display.steps(attempt, [asdict(r) for r in records])
 
 
+class SnapshotInterval(Listener):
+    """A line when the ranks choose the interval of their memory snapshots, or change it
+    (`checkpoint.memory_interval_steps: auto`: it rides on the lowest rank's step records)."""
+
+    def __init__(self, write: Callable[[str], None]):
+        self.write, self.every = write, None
+
+    def steps(self, attempt: int, records: list[StepRecord]) -> None:
+        for r in records:
+            every = (r.metrics or {}).get("snapshot_every")
+            if every is not None and every != self.every:
+                self.write(f"memory snapshots every {every} step(s) from step {r.step}: the smallest "
+                           "interval whose send fits in its steps' compute (auto)")
+                self.every = every
+
+
 class JournalListener(Listener):
     """Every move, event, step record and the goodput summary into the job's journal."""
 
@@ -144,6 +160,8 @@ def user_view_listeners(cfg: JobConfig, write: Callable[[str], None], layout: Ca
     """The progress line, the journal, and TensorBoard and W&B where configured."""
     listeners: list[Listener] = [ProgressLines(cfg, write, layout),
                                  JournalListener(JournalWriter(cfg.run_dir), goodput, cfg.run_dir)]
+    if cfg.checkpoint.memory_interval_steps in (None, "auto"):
+        listeners.append(SnapshotInterval(write))
     # Read the journal once: the newest step a rerun's curves continue from.
     written = newest_trained_step(cfg.run_dir) if cfg.observability.tensorboard or \
         cfg.observability.wandb != "off" else 0

@@ -242,10 +242,14 @@ class RayLauncher:
                                          for rank in range(cfg.world_size)]
         config = cfg.model_dump(mode="json")
         snapshots = self._snapshot_plans(cfg, resume_before_step, timeout_s=max(timeout_s, 300.0))
+        beat_to = self.agents.addresses if cfg.node_agents and self.agents is not None else {}
         try:
-            ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
-                                     resume_before_step, list(skip_steps), snapshots[rank])
-                     for rank, a in enumerate(actors)], timeout=timeout_s)
+            pids = ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
+                                            resume_before_step, list(skip_steps), snapshots[rank],
+                                            beat_to.get(self.placement.node_of(rank)))
+                            for rank, a in enumerate(actors)], timeout=timeout_s)
+            if beat_to:  # each node's agent believes its ranks' processes only, from now on
+                self.agents.expect(attempt, self._ranks_by_node(cfg, pids), timeout_s=timeout_s)
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
             # A spare that died after warming, or a worker that never came up: start over clean
             # (the snapshot keepers stay: they hold what the next try restores from).
@@ -273,6 +277,14 @@ class RayLauncher:
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
             self._release_placement()
             raise LaunchFailed(f"a heartbeat agent did not start: {last_line(exc)[:300]}") from exc
+
+    def _ranks_by_node(self, cfg: JobConfig, pids: list[int]) -> dict[str, dict[int, tuple[int, int]]]:
+        """node -> rank -> (its process's pid, its node index), for the heartbeat agents."""
+        ranks: dict[str, dict[int, tuple[int, int]]] = {}
+        per_node = cfg.cluster.workers_per_node
+        for rank, pid in enumerate(pids):
+            ranks.setdefault(self.placement.node_of(rank), {})[rank] = (pid, rank // per_node)
+        return ranks
 
     def _abandon(self, actors: list[Any]) -> None:
         for actor in actors:

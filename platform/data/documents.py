@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import stat
 import sysconfig
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -93,7 +94,12 @@ class FileCorpus(Corpus):
         self.skipped_binary: list[PurePosixPath] = []
         sizes = []
         for rel in found:
-            size = os.stat(self.root / rel).st_size
+            st = os.stat(self.root / rel)
+            if not stat.S_ISREG(st.st_mode):
+                # A FIFO, socket or device: opening it would block or never end.
+                logger.warning("skipped %s under %s: not a regular file", rel, self.root)
+                continue
+            size = st.st_size
             if size == 0:
                 continue
             if not _looks_like_text(self.root / rel, size):

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from longrun.data.index_file import UnusableIndex, key_sha256, read_index, write_index
+from longrun.safe_files import open_lock
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def _usable(path: Path, key: Mapping[str, Any], *, warn: bool = True) -> Arrays 
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` (created), released on exit; no lock (with a debug line)
     where the file system does not support them. OSError when `path` cannot be created."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock(path)  # never through a link planted in the shared data directory
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from longrun.data.shards import fsync_dir
+from longrun.safe_files import create
 
 MAGIC = b"LONGRUN-INDEX/1\n"
 FORMAT = "longrun-index/1"
@@ -78,7 +79,7 @@ def write_index(path: Path, key: Mapping[str, Any], arrays: Mapping[str, np.ndar
     # write into one temporary file; whichever renames last wins, with identical content.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with create(tmp) as f:  # a new file: never through a link planted in a shared data dir
             f.write(MAGIC)
             f.write(np.array([len(header)], dtype=_LENGTH).tobytes())
             f.write(header)

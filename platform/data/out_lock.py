@@ -5,7 +5,9 @@ the other half-wrote). The lock is flock(2): the kernel releases it when its hol
 however it dies, so a SIGKILLed run never leaves a stale lock; the file left behind holds
 nothing but the last holder's name. A clean exit removes the file. Because a file may be
 removed between another run's open and its lock, a run that got the lock checks that the
-path still names the file it locked, and otherwise tries again on the new one.
+path still names the file it locked, and otherwise tries again on the new one. The lock file
+is never opened through a symbolic link (`safe_files.open_lock`): --out may be a shared directory,
+and a link planted there would have this run truncate the file it points to.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from longrun.data.errors import DataError
+from longrun.safe_files import UnsafePath, open_lock
 
 LOCK_FILE = ".prepare.lock"
 
@@ -37,7 +40,10 @@ def locked_out_dir(out: Path) -> Iterator[None]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = open_lock(path)
+        except UnsafePath as exc:
+            raise DataError(f"{exc}; nothing was written") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

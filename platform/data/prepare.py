@@ -48,7 +48,14 @@ from longrun.data.shards import (
     token_dtype,
     write_manifest,
 )
-from longrun.data.sources import Document, SourceStats, inputs_fingerprint, iter_documents, resolve_inputs
+from longrun.data.sources import (
+    MAX_DOCUMENT_BYTES,
+    Document,
+    SourceStats,
+    inputs_fingerprint,
+    iter_documents,
+    resolve_inputs,
+)
 from longrun.data.tokenizers import load_tokenizer, tokenizer_identity
 from longrun.data.verification import shard_stamps, write_mark
 
@@ -72,17 +79,19 @@ class PrepareRun:
 def prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str, *, workers: int = 2,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, shard_documents: int | None = None,
             progress: bool = True, text_column: str = "text",
-            patterns: Sequence[str] = ("*",), strict: bool = False) -> dict[str, Any]:
+            patterns: Sequence[str] = ("*",), strict: bool = False,
+            max_document_bytes: int = MAX_DOCUMENT_BYTES) -> dict[str, Any]:
     """Tokenise `inputs` into shards under `out_dir` (resuming what is there); the manifest."""
     return run_prepare(inputs, tokenizer_spec, out_dir, workers=workers, shard_tokens=shard_tokens,
                        shard_documents=shard_documents, progress=progress, text_column=text_column,
-                       patterns=patterns, strict=strict).manifest
+                       patterns=patterns, strict=strict, max_document_bytes=max_document_bytes).manifest
 
 
 def run_prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str, *, workers: int = 2,
                 shard_tokens: int = DEFAULT_SHARD_TOKENS, shard_documents: int | None = None,
                 progress: bool = True, text_column: str = "text",
-                patterns: Sequence[str] = ("*",), strict: bool = False) -> PrepareRun:
+                patterns: Sequence[str] = ("*",), strict: bool = False,
+                max_document_bytes: int = MAX_DOCUMENT_BYTES) -> PrepareRun:
     if workers < 0:
         raise DataError(f"--workers {workers}: give 0 (encode in this process) or more")
     if shard_tokens < 1 or (shard_documents is not None and shard_documents < 1):
@@ -93,9 +102,12 @@ def run_prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str,
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a directory")
     tok = load_tokenizer(tokenizer_spec)
-    files = resolve_inputs(inputs, patterns=patterns, exclude=out_dir)
+    if max_document_bytes < 1:
+        raise DataError(f"--max-document-mb must be positive (got {max_document_bytes / (1 << 20):g})")
     stats = SourceStats()
-    docs = iter_documents(files, text_column=text_column, stats=stats, strict=strict)
+    files = resolve_inputs(inputs, patterns=patterns, exclude=out_dir, stats=stats)
+    docs = iter_documents(files, text_column=text_column, stats=stats, strict=strict,
+                          max_document_bytes=max_document_bytes)
     first = next(docs)  # an empty input fails here, before anything is written
     docs = itertools.chain([first], docs)
 
@@ -166,7 +178,8 @@ def _encode(run: PrepareRun, out: Path, docs: Iterator[Document], pool: EncoderP
                 writer.abort()
             raise
     manifest["complete"] = True
-    manifest["skipped"] = {"binary_files": stats.binary_files, "empty_documents": stats.empty_documents}
+    manifest["skipped"] = {"binary_files": stats.binary_files, "empty_documents": stats.empty_documents,
+                           "special_files": stats.special_files}
     manifest["replaced"] = {"characters": stats.replaced_characters, "documents": stats.replaced_documents,
                             "first": stats.first_replaced}
     write_manifest(out, manifest)

@@ -33,6 +33,7 @@ import numpy as np
 
 from longrun.data.errors import DataError
 from longrun.data.verification import Stamps, manifest_sha256, read_mark, stamp
+from longrun.safe_files import fresh, replace_file
 
 FORMAT = "longrun-tokens/1"
 MANIFEST = "manifest.json"
@@ -95,13 +96,8 @@ def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> st
     """Replace manifest.json atomically: a reader sees the old one or the new one, whole.
     Returns the sha256 of the bytes written."""
     directory = Path(directory)
-    tmp = directory / (MANIFEST + ".tmp")
     data = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+    replace_file(directory / MANIFEST, data)  # a new temporary name: never through a planted link
     fsync_dir(directory)
     return manifest_sha256(data)
 
@@ -118,8 +114,9 @@ class ShardWriter:
         self._offsets = [0]
         self._hash = hashlib.sha256()
         self._bin_tmp = self.directory / f"{self.name}.bin.tmp"
-        # Open until finish() or abort(); "wb" truncates what an interrupted run left.
-        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115
+        # Open until finish() or abort(); what an interrupted run left there is removed first,
+        # and the file is created afresh (a link planted there is not written through).
+        self._bin = fresh(self._bin_tmp)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents: `tokens` their ids back to back, `lengths` each one's count."""
@@ -138,7 +135,7 @@ class ShardWriter:
         self._bin.close()
         index = np.asarray(self._offsets, dtype=INDEX_DTYPE).tobytes()
         idx_tmp = self.directory / f"{self.name}.idx.tmp"
-        with open(idx_tmp, "wb") as f:
+        with fresh(idx_tmp) as f:
             f.write(index)
             f.flush()
             os.fsync(f.fileno())

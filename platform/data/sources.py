@@ -14,8 +14,13 @@ jsonl) each become U+FFFD, counted in `SourceStats` with the file and line of th
 strict=True (`--strict`) the first one is refused instead, naming its file and line.
 
 Nothing reads a whole input into memory: documents are yielded one at a time, so inputs larger
-than memory stream through. The order is fixed by the inputs (sorted directory walks, file
-order, line or row order), which is what makes prepared shards reproducible.
+than memory stream through, and one document (a text file, a jsonl line) may hold at most
+`max_document_bytes` (256 MiB unless told otherwise): a larger one is refused naming its file
+and line, never read whole (a multi-GB line would exhaust memory). Only regular files are read:
+a FIFO, socket or device found in a walked directory would block the run forever or never end,
+so it is skipped and counted (`SourceStats.special_files`), and one named on the command line
+is refused. The order is fixed by the inputs (sorted directory walks, file order, line or row
+order), which is what makes prepared shards reproducible.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -37,6 +43,7 @@ import pyarrow.parquet as pq
 from longrun.data.errors import DataError
 
 SNIFF_BYTES = 8192
+MAX_DOCUMENT_BYTES = 256 << 20  # the default cap on one document (--max-document-mb)
 PARQUET_BATCH_ROWS = 1024
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 REPLACEMENT = "\ufffd"
@@ -76,6 +83,8 @@ class SourceStats:
     replaced_characters: int = 0  # invalid UTF-8 sequences and lone surrogates, each now U+FFFD
     replaced_documents: int = 0
     first_replaced: str | None = None  # "FILE line N" of the first one
+    special_files: int = 0  # FIFOs, sockets and devices found in walked directories: not read
+    first_special: str | None = None
 
     _last_replaced: str | None = None
 
@@ -86,6 +95,18 @@ class SourceStats:
             self._last_replaced = where
         if self.first_replaced is None:
             self.first_replaced = where
+
+    def special(self, path: str) -> None:
+        self.special_files += 1
+        if self.first_special is None:
+            self.first_special = path
+
+    def special_summary(self) -> str:
+        """The files skipped for not being regular files, as a warning says it; empty when none."""
+        if not self.special_files:
+            return ""
+        return (f"skipped {self.special_files:,} file(s) that are not regular files (a FIFO, socket or "
+                f"device would block or never end; first: {self.first_special})")
 
     def summary(self) -> str:
         """What was replaced, where first, as the summary says it; empty when nothing was."""
@@ -150,7 +171,15 @@ def _inside(path: str, directory: str | None) -> bool:
     return real == directory or real.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def _walk(root: str, patterns: Sequence[str], exclude: str | None) -> Iterator[str]:
+def _regular(path: str) -> bool:
+    """Whether `path` is (or links to) a regular file; False when it vanished."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _walk(root: str, patterns: Sequence[str], exclude: str | None, stats: SourceStats) -> Iterator[str]:
     if _inside(root, exclude):
         return
     for dirpath, dirnames, filenames in os.walk(root):
@@ -158,34 +187,46 @@ def _walk(root: str, patterns: Sequence[str], exclude: str | None) -> Iterator[s
                              and not _inside(os.path.join(dirpath, d), exclude))
         for name in sorted(filenames):
             if not name.startswith(".") and any(fnmatch.fnmatch(name, p) for p in patterns):
-                yield os.path.join(dirpath, name)
+                path = os.path.join(dirpath, name)
+                if _regular(path):
+                    yield path
+                elif os.path.exists(path):
+                    stats.special(path)
 
 
 def resolve_inputs(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",),
-                   exclude: str | None = None) -> list[InputFile]:
+                   exclude: str | None = None, stats: SourceStats | None = None) -> list[InputFile]:
     """Every file the inputs name, in reading order; DataError for an input that names nothing.
     `exclude`: a directory never read from, whether walked into, matched by a glob or named
     (prepare's output, when it sits inside an input: its shards are not documents, and they
-    change between a run and its resume)."""
+    change between a run and its resume). Files that are not regular files are counted in
+    `stats` and left out; one named on the command line is refused."""
     exclude = os.path.realpath(exclude) if exclude else None
+    stats = stats if stats is not None else SourceStats()
     if not inputs:
         raise DataError("empty input: no input files or directories given")
     files: list[InputFile] = []
     for item in inputs:
         if os.path.isdir(item):
-            files.extend(_input_file(p, named=False) for p in _walk(item, patterns, exclude))
+            files.extend(_input_file(p, named=False) for p in _walk(item, patterns, exclude, stats))
         elif os.path.isfile(item):
             if _inside(item, exclude):
                 raise DataError(f"input {item!r} is inside the output directory {exclude}, whose files "
                                 "are written by this command: give inputs outside --out")
             files.append(_input_file(item, named=True))
         elif glob.has_magic(item):
-            matched = sorted(p for p in glob.glob(item, recursive=True)
-                             if os.path.isfile(p) and not _inside(p, exclude))
+            found = sorted(p for p in glob.glob(item, recursive=True) if not _inside(p, exclude))
+            for p in found:
+                if not os.path.isdir(p) and not _regular(p):
+                    stats.special(p)
+            matched = [p for p in found if _regular(p)]
             if not matched:
                 raise DataError(f"empty input: the pattern {item!r} matches no file"
                                 + (f" outside the output directory {exclude}" if exclude else ""))
             files.extend(_input_file(p, named=False) for p in matched)
+        elif os.path.exists(item):
+            raise DataError(f"input {item!r} is not a regular file (a FIFO, socket or device); give "
+                            "files, directories or glob patterns")
         else:
             raise DataError(f"input {item!r} does not exist (give files, directories or glob patterns)")
     if not files:
@@ -216,8 +257,25 @@ def looks_like_text(head: bytes, size: int) -> bool:
     return True
 
 
-def _read_text(f: InputFile, policy: _Policy) -> Iterator[Document]:
-    with open(f.path, "rb") as fh:
+def _open_input(f: InputFile):
+    """`f` opened for reading, refused unless it is still a regular file: it was one when listed,
+    but may have been replaced since, and opening a FIFO would block."""
+    fd = os.open(f.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataError(f"{f.path} is no longer a regular file (a FIFO, socket or device); remove it "
+                        "from the inputs")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _too_large(where: str, limit: int, what: str) -> DataError:
+    return DataError(f"{where} is larger than the {limit / (1 << 20):g} MiB one document may hold "
+                     f"(--max-document-mb); {what}, or raise --max-document-mb")
+
+
+def _read_text(f: InputFile, policy: _Policy, limit: int) -> Iterator[Document]:
+    with _open_input(f) as fh:
         head = fh.read(SNIFF_BYTES)
         if not looks_like_text(head, f.size):
             if f.named:
@@ -226,7 +284,10 @@ def _read_text(f: InputFile, policy: _Policy) -> Iterator[Document]:
             policy.stats.binary_files += 1
             return
         # A text file is one document; past the sniff, a stray invalid byte is a bad record.
-        data = head + fh.read()
+        # Read to one byte past the cap at most: the file may have grown since it was listed.
+        data = head + fh.read(max(limit + 1 - len(head), 0))
+        if len(data) > limit:
+            raise _too_large(f.path, limit, "split it into smaller files")
 
     def where(offset: int) -> str:
         return f"{f.path} line {data.count(NEWLINE, 0, offset) + 1}"
@@ -238,9 +299,20 @@ def _describe_fields(obj: dict) -> str:
     return ", ".join(json.dumps(k) for k in list(obj)[:20]) or "no fields"
 
 
-def _read_jsonl(f: InputFile, column: str, policy: _Policy) -> Iterator[Document]:
-    with open(f.path, "rb") as fh:
-        for line_no, line in enumerate(fh, start=1):
+def _lines(fh, limit: int, path: str) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of a file, each read with a bound: a line over `limit` bytes is refused
+    once its first `limit` + 1 bytes are read, never read whole."""
+    line_no = 0
+    while line := fh.readline(limit + 1):
+        line_no += 1
+        if len(line) > limit:
+            raise _too_large(f"{path} line {line_no}", limit, "split that record")
+        yield line_no, line
+
+
+def _read_jsonl(f: InputFile, column: str, policy: _Policy, limit: int) -> Iterator[Document]:
+    with _open_input(f) as fh:
+        for line_no, line in _lines(fh, limit, f.path):
             if not line.strip():
                 continue
             where = f"{f.path} line {line_no}"
@@ -299,19 +371,21 @@ def _named_os_errors(f: InputFile, docs: Iterator[Document]) -> Iterator[Documen
 
 
 def iter_documents(files: Sequence[InputFile], *, text_column: str = "text",
-                   stats: SourceStats | None = None, strict: bool = False) -> Iterator[Document]:
+                   stats: SourceStats | None = None, strict: bool = False,
+                   max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[Document]:
     """The documents of `files` in order, empty ones skipped; DataError if there is none at all
     ("empty input"), raised when the stream ends. Bad text is replaced and counted in `stats`,
-    or with `strict` refused naming its file and line."""
+    or with `strict` refused naming its file and line; a text file or jsonl line over
+    `max_document_bytes` is refused naming its file and line."""
     stats = stats if stats is not None else SourceStats()
     policy = _Policy(stats, strict)
     for f in files:
         if f.kind == "jsonl":
-            docs = _read_jsonl(f, text_column, policy)
+            docs = _read_jsonl(f, text_column, policy, max_document_bytes)
         elif f.kind == "parquet":
             docs = _read_parquet(f, text_column)  # Arrow strings are valid UTF-8: checked on write
         else:
-            docs = _read_text(f, policy)
+            docs = _read_text(f, policy, max_document_bytes)
         for doc in _named_os_errors(f, docs):
             if not doc.text:
                 stats.empty_documents += 1
@@ -325,8 +399,11 @@ def iter_documents(files: Sequence[InputFile], *, text_column: str = "text",
 
 
 def read_texts(inputs: Sequence[str], *, patterns: Sequence[str] = ("*",), text_column: str = "text",
-               stats: SourceStats | None = None, strict: bool = False) -> Iterator[str]:
+               stats: SourceStats | None = None, strict: bool = False,
+               max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[str]:
     """Just the texts of the inputs, in order (what training a tokenizer reads)."""
-    files = resolve_inputs(inputs, patterns=patterns)
-    for doc in iter_documents(files, text_column=text_column, stats=stats, strict=strict):
+    stats = stats if stats is not None else SourceStats()
+    files = resolve_inputs(inputs, patterns=patterns, stats=stats)
+    for doc in iter_documents(files, text_column=text_column, stats=stats, strict=strict,
+                              max_document_bytes=max_document_bytes):
         yield doc.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from longrun.config.vocabulary import BYTE_TOKENIZER_SHA256
 from longrun.data.byte_tokenizer import ByteTokenizer
 from longrun.data.errors import DataError
-from longrun.data.sources import SourceStats, read_texts
+from longrun.data.sources import MAX_DOCUMENT_BYTES, SourceStats, read_texts
+from longrun.safe_files import replace_file
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # trained first: ids 0, 1, 2
@@ -126,9 +128,7 @@ class BPETokenizer:
         written = []
         for name, text in files.items():
             path = out / name
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
+            replace_file(path, text, sync=False)
             written.append(str(path))
         return written
 
@@ -174,7 +174,8 @@ def tokenizer_identity(tok: Any) -> dict[str, Any]:
 def train_bpe(inputs: list[str], vocab_size: int, out_dir: str, *, progress: bool = True,
               patterns: Sequence[str] = ("*",), text_column: str = "text",
               overwrite: bool = False, strict: bool = False,
-              stats: SourceStats | None = None) -> BPETokenizer:
+              stats: SourceStats | None = None,
+              max_document_bytes: int = MAX_DOCUMENT_BYTES) -> BPETokenizer:
     """Train a byte-level BPE on the documents of `inputs` (read like `data prepare` reads them:
     bad text replaced and counted in `stats`, or refused with `strict`), save it to `out_dir`
     (Hugging Face layout) and return it loaded from there. An existing tokenizer there is
@@ -200,12 +201,17 @@ def train_bpe(inputs: list[str], vocab_size: int, out_dir: str, *, progress: boo
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=progress)
-    texts = read_texts(inputs, patterns=patterns, text_column=text_column, stats=stats, strict=strict)
+    texts = read_texts(inputs, patterns=patterns, text_column=text_column, stats=stats, strict=strict,
+                       max_document_bytes=max_document_bytes)
     tok.train_from_iterator(texts, trainer)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "tokenizer.trained.tmp"  # not save()'s own tokenizer.json.tmp
-    tok.save(str(tmp))
-    trained = BPETokenizer(tmp)
-    trained.save(out)
-    tmp.unlink()
+    # A new name of our own (not save()'s tokenizer.json): the library's save follows links.
+    fd, tmp = tempfile.mkstemp(prefix=".tokenizer.trained.", suffix=".tmp", dir=out)
+    os.close(fd)
+    try:
+        tok.save(tmp)
+        trained = BPETokenizer(Path(tmp))
+        trained.save(out)
+    finally:
+        os.unlink(tmp)
     return BPETokenizer(out / TOKENIZER_FILE)

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from longrun.safe_files import replace_file
+
 MARK = "verified.json"
 MARK_FORMAT = "longrun-tokens-verified/1"
 
@@ -60,11 +62,5 @@ def write_mark(directory: str | os.PathLike, manifest_digest: str, stamps: Stamp
     """Record that the files of `stamps` match the manifest of `manifest_digest`; atomically
     (a reader sees the old mark or the new one), so a crash never leaves a partial trust."""
     directory = Path(directory)
-    tmp = directory / (MARK + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": MARK_FORMAT, "manifest_sha256": manifest_digest, "by": by,
-                   "files": stamps}, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MARK)
+    mark = {"format": MARK_FORMAT, "manifest_sha256": manifest_digest, "by": by, "files": stamps}
+    replace_file(directory / MARK, json.dumps(mark, indent=1, sort_keys=True) + "\n")

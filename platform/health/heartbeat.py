@@ -50,14 +50,11 @@ class Heartbeat:
     sent_at: float = 0.0  # wall clock of the publisher
 
 
-def agent_address(job: str, node_id: str) -> str:
-    """The abstract socket name of `job`'s agent on the Ray node `node_id`."""
-    return f"\0longrun-beats/{job}/{node_id}"
-
-
 class AgentLink:
-    """A worker's end: sends each heartbeat to its node's agent. A datagram that cannot be sent
-    (the agent not up yet, or gone) is dropped: the next interval sends a newer one."""
+    """A worker's end: sends each heartbeat to its node's agent, at the address the controller
+    gave the worker (node_agent.new_agent_address). A datagram that cannot be sent (the agent not
+    up yet, or gone) is dropped: the next interval sends a newer one. The agent knows this
+    process by its pid, which the kernel attaches to every datagram."""
 
     def __init__(self, address: str, node: int):
         self.address, self.node = address, node

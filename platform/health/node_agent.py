@@ -12,9 +12,21 @@ heartbeat timeout (5 s). A frozen rank (SIGSTOP) sends nothing, and is left out 
 newest beat is older than the timeout, as its key would have expired.
 
 The agent's socket is an abstract Unix socket (Linux: no file to clean up, private to the
-host's network namespace), named after the job and the Ray node: a worker finds its node's
-agent from what it already knows. `AgentLink` (heartbeat.py) is the worker's end; `NodeAgent` runs in an
-actor the controller pins to the node (controller/agents.py).
+host's network namespace). Such a socket has no permissions: any process on the host can send
+to it. So the agent believes only what it can check:
+
+- who sent a datagram: the kernel attaches the sender's pid and uid (SO_PASSCRED), and a beat
+  counts only from a process of this user that the controller registered as a rank of the
+  current attempt (`expect`), for that rank alone;
+- which attempt it is: the controller says so (`expect`, `forget`); a beat's own `attempt` is
+  ignored (one with a huge attempt had made the agent drop every real beat);
+- what it says: every field is checked before anything is kept (beat_wire.py); a bad datagram
+  is counted and dropped, and never ends a thread (`ping` reports whether both still run, so a
+  broken agent is replaced).
+
+Its name is random, one per agent (so two runs of one job name on a host never share one), and
+the controller hands it to the workers of the node. `AgentLink` (heartbeat.py) is the worker's
+end; `NodeAgent` runs in an actor the controller pins to the node (controller/agents.py).
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,14 +45,31 @@ from typing import Any
 import redis
 
 from longrun import keys
-from longrun.health.heartbeat import agent_address
+from longrun.health.beat_wire import BeatRefused, parse_beat
 from longrun.health.node_beats import ROSTER_FIELDS, encode, rows_of
 
 log = logging.getLogger(__name__)
 CHECK_S = 0.1  # how often the agent looks for its ranks' processes
 MAX_DATAGRAM = 65536
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
-__all__ = ["NodeAgent", "NodeBeats", "agent_address", "process_alive"]
+__all__ = ["NodeAgent", "NodeBeats", "new_agent_address", "process_alive"]
+
+
+def new_agent_address(job: str, node_id: str) -> str:
+    """A fresh abstract socket name for `job`'s agent on the Ray node `node_id`: random, so two
+    runs of one job name on a host never collide (the job and node are there for a person
+    reading /proc/net/unix). Within the 107 bytes an abstract name may have."""
+    return f"\0longrun-beats/{job[:40]}/{node_id[:12]}/{secrets.token_hex(8)}"
+
+
+def _sender(ancdata) -> tuple[int, int] | None:
+    """(pid, uid) the kernel attached to a datagram, or None when it attached none."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
+            pid, uid, _ = _CREDS.unpack_from(data)
+            return pid, uid
+    return None
 
 
 @dataclass
@@ -104,28 +135,46 @@ class NodeAgent:
         self.job, self.interval_s, self.timeout_s = job, interval_s, timeout_s
         self.client = redis.Redis.from_url(redis_url, socket_timeout=max(1.0, interval_s),
                                            socket_connect_timeout=max(1.0, interval_s))
-        self.address = agent_address(job, node_id)
+        self.address = new_agent_address(job, node_id)
+        self.host, self._uid = socket.gethostname(), os.getuid()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.address)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each datagram's sender
         self._sock.settimeout(0.5)
         self._lock = threading.Lock()
-        self._attempt = -1
+        self._attempt = -1  # the attempt the controller registered ranks for (`expect`)
         self._ended = -1  # the newest attempt the controller said has ended
+        self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (rank, node index) of that attempt
         self._publishing = threading.Lock()  # a publish and a forget never interleave
         self._nodes: dict[int, NodeBeats] = {}  # node index -> its ranks (one, unless the layout changed)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.published = self.errors = self.rounds = 0
+        self.refused = 0  # datagrams not from a registered rank, or not a valid beat
         self._threads = [threading.Thread(target=self._receive, name="agent-receive", daemon=True),
                          threading.Thread(target=self._publish_loop, name="agent-publish", daemon=True)]
         for t in self._threads:
             t.start()
 
-    def ping(self) -> str:
-        return self.address
+    def ping(self) -> dict[str, object]:
+        """Its address, and whether both its threads still run (an agent whose thread died
+        answers, but hears or publishes nothing: the controller replaces it)."""
+        return {"address": self.address, "alive": all(t.is_alive() for t in self._threads)}
 
     def stats(self) -> dict[str, int]:
-        return {"published": self.published, "errors": self.errors, "attempt": self._attempt}
+        return {"published": self.published, "errors": self.errors, "refused": self.refused,
+                "attempt": self._attempt}
+
+    def expect(self, attempt: int, ranks: dict[int, tuple[int, int]]) -> None:
+        """`attempt` starts, with these ranks on this node: rank -> (its process's pid, its node
+        index). From now on a beat counts only from one of those processes, for its own rank."""
+        with self._publishing, self._lock:
+            if attempt <= self._ended:
+                return  # the controller has moved past it already
+            self._attempt = attempt
+            self._ranks = {int(pid): (int(rank), int(node)) for rank, (pid, node) in ranks.items()}
+            self._nodes = {}
+        self._wake.set()
 
     def forget(self, attempt: int) -> None:
         """`attempt` has ended: publish nothing more of it, and ignore its ranks' late beats. The
@@ -134,7 +183,7 @@ class NodeAgent:
         with self._publishing, self._lock:
             self._ended = max(self._ended, attempt)
             if self._attempt <= attempt:
-                self._nodes = {}
+                self._nodes, self._ranks = {}, {}
 
     def close(self) -> None:
         self._stop.set()
@@ -144,42 +193,56 @@ class NodeAgent:
         self._sock.close()
 
     def _receive(self) -> None:
+        space = socket.CMSG_SPACE(_CREDS.size)
         while not self._stop.is_set():
             try:
-                data = self._sock.recv(MAX_DATAGRAM)
+                data, ancdata, flags, _ = self._sock.recvmsg(MAX_DATAGRAM, space)
             except TimeoutError:
                 continue
             except OSError:
-                return
+                return  # closed
             try:
-                message = json.loads(data)
-                beat, node = message["beat"], int(message["node"])
-                attempt = int(beat.get("attempt", 0))
-            except (ValueError, KeyError, TypeError):
-                self.errors += 1
-                continue
-            with self._lock:
-                if attempt < self._attempt or attempt <= self._ended:
-                    continue  # a rank of an attempt the job has left
-                if attempt > self._attempt:  # a new attempt: the old one's ranks are history
-                    self._attempt, self._nodes = attempt, {}
-                    self._wake.set()
-                nodes = self._nodes.setdefault(node, NodeBeats(node, self.timeout_s))
-                first = int(beat["rank"]) not in nodes.ranks
-                nodes.heard(beat, time.monotonic())
-            if first:
-                self._wake.set()  # a rank's first beat is news: publish it now
+                self._heard(data, ancdata, flags)
+            except Exception:  # whatever a datagram holds, the thread goes on hearing the next
+                self.refused += 1
+                log.debug("a heartbeat datagram was refused", exc_info=True)
+
+    def _heard(self, data: bytes, ancdata, flags: int) -> None:
+        sender = _sender(ancdata)
+        with self._lock:
+            known = self._ranks.get(sender[0]) if sender and sender[1] == self._uid else None
+        if known is None or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            self.refused += 1  # not a registered rank's process (another user's, another job's)
+            return
+        rank, node = known
+        beat = parse_beat(data)
+        if beat["rank"] != rank:
+            raise BeatRefused(f"pid {sender[0]} is rank {rank}'s, not rank {beat['rank']}'s")
+        beat.update(pid=sender[0], host=self.host)  # what the kernel and this host say
+        with self._lock:
+            if self._ranks.get(sender[0]) != known:
+                return  # the attempt ended while this beat was being read
+            nodes = self._nodes.setdefault(node, NodeBeats(node, self.timeout_s))
+            first = rank not in nodes.ranks
+            nodes.heard(beat, time.monotonic())
+        if first:
+            self._wake.set()  # a rank's first beat is news: publish it now
 
     def _publish_loop(self) -> None:
         next_at = time.monotonic()
         while not self._stop.is_set():
-            with self._lock:
-                newly_gone = any(n.check(process_alive) for n in self._nodes.values())
-            now = time.monotonic()
-            if newly_gone or self._wake.is_set() or now >= next_at:
-                self._wake.clear()
-                self._publish(now)
-                next_at = now + self.interval_s
+            try:
+                with self._lock:
+                    newly_gone = any(n.check(process_alive) for n in self._nodes.values())
+                now = time.monotonic()
+                if newly_gone or self._wake.is_set() or now >= next_at:
+                    self._wake.clear()
+                    self._publish(now)
+                    next_at = now + self.interval_s
+            except Exception:  # a bug must not silence the node: log it, publish next round
+                self.errors += 1
+                log.exception("the heartbeat agent's publishing round failed")
+                next_at = time.monotonic() + self.interval_s
             self._wake.wait(min(CHECK_S, max(0.0, next_at - time.monotonic())))
 
     def _publish(self, now: float) -> None:

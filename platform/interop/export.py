@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import tempfile
 
 import fsspec
 import torch
@@ -36,6 +37,7 @@ from longrun.interop.weights_file import (
     safetensors_metadata,
     unshare,
 )
+from longrun.safe_files import umask
 
 __all__ = ["ExportError", "ExportFormat", "ExportResult", "export_weights"]
 
@@ -60,11 +62,17 @@ def export_weights(url: str, out: str, *, step: int | None = None, fmt: str | No
         raise ExportError("the model state_dict holds values that are not tensors; "
                           "export it with --format torch")
     source = f"{url.rstrip('/')}/{step_dir_name(step)}"
-    tmp = f"{out_path}.partial"
     local = isinstance(out_fs, LocalFileSystem)
     if local:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        parent = os.path.dirname(os.path.abspath(out_path))
+        os.makedirs(parent, exist_ok=True)
+        # A new file of a random name (mkstemp), not a fixed `.partial` one that could have been
+        # planted as a link to someone's file; the writers below then open only what we created.
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_path)}.", suffix=".partial", dir=parent)
+        os.fchmod(fd, 0o666 & ~umask())
+        os.close(fd)
     else:
+        tmp = f"{out_path}.partial"
         out_fs.makedirs(posixpath.dirname(out_path), exist_ok=True)
     try:
         if fmt == "safetensors":

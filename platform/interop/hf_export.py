@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import fsspec
@@ -35,6 +36,7 @@ from longrun.interop.hf import (
     hf_names,
 )
 from longrun.interop.weights_file import ExportError, ExportResult, safetensors_metadata, unshare
+from longrun.safe_files import umask
 
 
 def _special_ids(tokenizer: str | None, model: ModelSection) -> tuple[Any, tuple]:
@@ -140,9 +142,9 @@ def export_hf(url: str, out: str, *, step: int | None = None, tokenizer: str | N
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier export of this pid that died
-    os.makedirs(tmp)
+    # A new, private directory (mkdtemp): a fixed name could have been planted as a link.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    os.chmod(tmp, 0o777 & ~umask())
     try:
         for name, content in ((CONFIG_FILE, config), ("generation_config.json", generation_config(config))):
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longrun.safe_files import open_append, replace_file
+
 log = logging.getLogger(__name__)
 
 STEPS, EVENTS, GOODPUT = "steps.jsonl", "events.jsonl", "goodput.json"
@@ -54,10 +56,8 @@ class JournalWriter:
         self._append(EVENTS, [entry])
 
     def goodput(self, summary: dict[str, Any]) -> None:
-        def write() -> None:
-            tmp = self.dir / (GOODPUT + ".tmp")
-            tmp.write_text(json.dumps(summary))
-            os.replace(tmp, self.dir / GOODPUT)  # a reader never sees half a summary
+        def write() -> None:  # a reader never sees half a summary; a planted link is replaced
+            replace_file(self.dir / GOODPUT, json.dumps(summary), sync=False)
         self._guard(GOODPUT, write)
 
     def _append(self, name: str, entries: list[dict[str, Any]]) -> None:
@@ -65,7 +65,7 @@ class JournalWriter:
             return
 
         def write() -> None:
-            with open(self.dir / name, "a", encoding="utf-8") as f:
+            with open_append(self.dir / name) as f:  # never through a link planted in the run dir
                 f.write("".join(json.dumps(e, default=str) + "\n" for e in entries))
         self._guard(name, write)
 

@@ -97,8 +97,11 @@ class WorkerMetrics:
         self.cp_measured = gauge("longrun_dynamic_cp_measured_step_seconds",
                                  "Measured time of the last planned step.")
         self.snapshots_dropped = Counter(
-            "longrun_memory_dropped_snapshots", "Peer memory snapshots dropped on this rank (a keeper "
-            "too slow to take one in time, or a send that failed); training went on.", labels, registry=r)
+            "longrun_memory_dropped_snapshots", "Peer memory snapshots dropped on this rank: skipped "
+            "(due while a rank's previous send was still running: every rank skips it) or not stored "
+            "(a send that failed); training went on.", labels, registry=r)
+        self.snapshot_every = gauge("longrun_memory_snapshot_interval_steps",
+                                    "Steps between peer memory snapshots (the auto interval the job chose).")
         self.group_init = gauge("longrun_group_init_seconds",
                                 "Communication-group bring-up time of this attempt, per phase.", ("phase",))
         self._server: ObservabilityServer | None = None
@@ -156,6 +159,10 @@ class WorkerMetrics:
         """A memory snapshot was dropped (`checkpoint/memory.py`): counted, never labelled by
         step or reason."""
         self.snapshots_dropped.labels(**self._values).inc()
+
+    def snapshot_interval(self, every: int) -> None:
+        """The steps between memory snapshots, as the ranks chose them (`auto`)."""
+        self.snapshot_every.labels(**self._values).set(every)
 
     def observe_cp_plan(self, cp_sizes: Sequence[int], predicted_s: float, measured_s: float | None) -> None:
         """One dynamic-CP plan: the CP size of each micro-batch, the cost model's step time and,

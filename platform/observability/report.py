@@ -31,6 +31,7 @@ from longrun.goodput.summary import GoodputSummary
 from longrun.kinds import TERMINAL_STATES
 from longrun.observability import report_figures as figs
 from longrun.observability.journal import Journal, journal_dir, read_journal
+from longrun.safe_files import replace_file
 
 CHARTS = ("loss-curve", "throughput", "timeline", "time-by-phase")  # the containers' ids, in page order
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
@@ -143,9 +144,8 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     journal = load(run_dir)
     path = Path(out) if out is not None else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render(journal), encoding="utf-8")
-    os.replace(tmp, path)  # a browser reloading the report never reads half of it
+    # A browser reloading the report never reads half of it; a link planted there is replaced.
+    replace_file(path, render(journal), sync=False)
     return path
 
 

@@ -7,7 +7,11 @@
     server.close()
 
 A stdlib ThreadingHTTPServer in a daemon thread: one slow scrape never holds up the next,
-and the process exits without waiting for it. It binds loopback unless told otherwise.
+and the process exits without waiting for it. It binds loopback unless told otherwise; the
+deploy files bind 0.0.0.0, where anyone on the network can connect, so a connection gets
+`REQUEST_TIMEOUT_S` to send its request (Prometheus' own scrape timeout) and at most
+`MAX_CONNECTIONS` are served at once: more are closed at once instead of each holding a thread
+(an idle connection per thread had let a port scan pile up threads without end).
 """
 
 from __future__ import annotations
@@ -25,16 +29,46 @@ log = logging.getLogger(__name__)
 
 # Prometheus' http_sd accepts exactly this (optionally with charset=utf-8) and nothing else.
 SD_CONTENT_TYPE = "application/json"
+REQUEST_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 16  # scrapers are one or two Prometheus servers and a person with curl
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once; the rest closed unserved."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class ObservabilityServer:
     def __init__(self, registry: CollectorRegistry, targets: Callable[[], list[dict]] | None = None,
                  host: str = "127.0.0.1", port: int = 0):
+        # `timeout`: socketserver sets it on each connection, so a silent client is dropped.
         handler = type("_Handler", (_Handler,), {"registry": registry, "targets": staticmethod(targets),
-                                                 "owner": self})
+                                                 "owner": self, "timeout": REQUEST_TIMEOUT_S})
         self.scrapes = 0  # /metrics requests served: has anything ever scraped us?
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((host, port), handler, MAX_CONNECTIONS)
         self.host = host
         self.port: int = self._httpd.server_address[1]
         # A short poll interval: close() (shutdown) waits up to one interval, and workers and
@@ -51,6 +85,11 @@ class ObservabilityServer:
     @property
     def sd_url(self) -> str:
         return f"{self.url}/sd"
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unserved because MAX_CONNECTIONS were being served."""
+        return self._httpd.refused
 
     def close(self) -> None:
         if self._thread.is_alive():

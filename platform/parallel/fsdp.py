@@ -23,9 +23,9 @@ and why:
   same reason every rank runs every micro-batch (an idle one with a zero-weight pass): the
   parameter gathers are collectives of the whole shard group. Under HSDP each micro-batch's
   shards are all-reduced across replicas too (see `sharded_model.py` for why not deferred).
-- **Mixed precision on GPUs only.** With `training.dtype: bfloat16` on CUDA, parameters are
-  gathered in bf16 and gradients reduced in fp32; on CPU everything stays fp32 (gloo has no
-  fast bf16 path and the tests compare against fp32 references).
+- **Mixed precision on GPUs only** (`precision.py`). With `training.dtype: bfloat16` on CUDA,
+  parameters are gathered in bf16 and gradients reduced in fp32; on CPU everything stays fp32
+  (gloo has no fast bf16 path and the tests compare against fp32 references).
 """
 
 from __future__ import annotations
@@ -34,13 +34,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from longrun.parallel.precision import mixed_precision
 from longrun.trainer.model import blocks
 
-
-def mixed_precision(device: torch.device, dtype: str) -> MixedPrecisionPolicy:
-    if device.type == "cuda" and dtype == "bfloat16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+__all__ = ["apply_fsdp", "mixed_precision"]
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,

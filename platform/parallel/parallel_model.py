@@ -32,6 +32,9 @@ class ParallelModel:
     # True where every rank must run every micro-batch (FSDP gathers parameters in each one's
     # forward); False where an idle rank may skip all but the last (DDP syncs only there).
     syncs_every_micro_batch = False
+    # True where the layout already computes in bf16 (FSDP2's mixed precision, precision.py):
+    # the step then runs without autocast, which would only re-cast what is cast already.
+    casts_parameters = False
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None):
         self.module = module

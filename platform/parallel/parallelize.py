@@ -29,15 +29,20 @@ before it:
 3. Activation checkpointing (`activation_checkpointing.py`) hooks each transformer block; it
    must see the TP-sharded blocks (so the recompute is sharded too) and sit inside FSDP, whose
    units are the same blocks.
-4. `torch.compile` per block would come here, after checkpointing (the recompute compiled too)
-   and before FSDP (whose hooks would break the graphs at every all-gather); not configured.
+4. `torch.compile` (`compile.py`, training.compile): each block (or the whole model) compiled
+   in place, after checkpointing, so the recompute is compiled too (the checkpoint hooks run
+   around the compiled forward), and after TP, so the graphs see the DTensor weights; before
+   FSDP, whose hooks dynamo leaves out of the graphs (one break at each all-gather, where the
+   communication is anyway). torchtitan's order.
 5. Gradient synchronisation over the span (dp x fsdp x cp ranks: one model's worth of replicas
    and shards). Where every rank holds whole weights: DDP with a summing hook
    (`data_parallel.py`). Where weights are DTensors (fsdp or tp > 1): FSDP2 (`fsdp.py`) on the
    mesh's ("replicate", "shard") dimensions, which shards parameters, gradients and optimizer
    state over "shard" and all-reduces across "replicate" (HSDP; pure replication when fsdp is
-   1, so TP x DP and TP x CP compose through the same path). The model is materialised on
-   `device` here (`materialise`): before DDP, after FSDP.
+   1, so TP x DP and TP x CP compose through the same path). With bf16 on CUDA, FSDP2 also
+   holds the weights' bf16 copies (`precision.py`): at a span of one rank too, and a process
+   training alone gets a one-rank mesh for it. The model is materialised on `device` here
+   (`materialise`): before DDP, after FSDP.
 """
 
 from __future__ import annotations
@@ -51,10 +56,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from longrun.config.sections import TrainingSection
 from longrun.parallel.activation_checkpointing import apply_activation_checkpointing
+from longrun.parallel.compile import apply_compile
 from longrun.parallel.data_parallel import DataParallel, summing_ddp
 from longrun.parallel.dims import ParallelDims
 from longrun.parallel.parallel_model import ParallelModel
 from longrun.parallel.pipeline import PipelinedModel, PipelinePlan, StageDDP
+from longrun.parallel.precision import casts_parameters, mixed_precision, one_rank_mesh
 
 
 def materialise(module: torch.nn.Module, device: torch.device) -> None:
@@ -112,23 +119,31 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSe
     # Step 2: context parallelism lives in the data path and the attention layout: nothing here.
     # Step 3: activation checkpointing.
     apply_activation_checkpointing(model, training.activation_checkpointing)
-    # Step 4 (compile): not configured.
+    # Step 4: compile.
+    apply_compile(model, training.compile)
     # Step 5: gradient synchronisation, and memory for this rank's pieces.
     if pipe is not None:
         _sync_stages(pipe, dims, training, span_group=span_group, mesh=mesh, device=device)
         return pipe
-    if not dims.sharded:
-        materialise(model, device)
-        return DataParallel(model, span_group, bucket_mb=training.grad_sync_bucket_mb, prime=prime)
-    from longrun.parallel.fsdp import apply_fsdp, mixed_precision
+    from longrun.parallel.fsdp import apply_fsdp
     from longrun.parallel.sharded_model import ShardedModel
 
+    bf16 = casts_parameters(device, training.dtype)
+    if not dims.sharded:
+        if not (bf16 and dims.world_size == 1):
+            materialise(model, device)
+            return DataParallel(model, span_group, bucket_mb=training.grad_sync_bucket_mb, prime=prime)
+        mesh = one_rank_mesh(device)  # alone on a GPU: FSDP2 only for its bf16 weights
     root = None
-    if dims.span > 1:
-        root = apply_fsdp(model, _span_mesh(dims, mesh), reshard_after_forward=reshard_after_forward,
+    if dims.span > 1 or bf16:
+        # Alone (a span of one), nothing is gathered between forward and backward: keeping the
+        # bf16 copies saves casting them again in backward.
+        root = apply_fsdp(model, _span_mesh(dims, mesh) if dims.sharded else mesh,
+                          reshard_after_forward=reshard_after_forward and dims.span > 1,
                           mp_policy=mixed_precision(device, training.dtype))
     materialise(model, device)
-    return ShardedModel(model, span_group, fsdp_root=root, tensor_parallel=dims.tp > 1)
+    return ShardedModel(model, span_group, fsdp_root=root, tensor_parallel=dims.tp > 1,
+                        casts_parameters=root is not None and bf16)
 
 
 def _span_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
@@ -154,7 +169,7 @@ def _sync_stages(pipe: PipelinedModel, dims: ParallelDims, training: TrainingSec
                         for stage in pipe.stage_modules]
         pipe.prime()
         return
-    from longrun.parallel.fsdp import apply_fsdp, mixed_precision
+    from longrun.parallel.fsdp import apply_fsdp
 
     for stage in pipe.stage_modules:
         apply_fsdp(stage, _span_mesh(dims, mesh), reshard_after_forward=False,

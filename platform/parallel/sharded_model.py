@@ -30,6 +30,7 @@ class ShardedModel(ParallelModel):
     """`module` after `parallelize` sharded it. `fsdp_root`: the root FSDP unit when FSDP2
     syncs the gradients over the span (None: a tensor-parallel group alone, no span).
     `tensor_parallel`: logits are sharded by vocabulary, so the loss runs under `loss_parallel`.
+    `casts_parameters`: FSDP2 gathers the weights in bf16 (`precision.py`), so no autocast.
 
     Under HSDP every micro-batch's reduced shards are also all-reduced across replicas. FSDP2
     can defer that to the last micro-batch (`set_requires_all_reduce`), but it then keeps the
@@ -40,10 +41,11 @@ class ShardedModel(ParallelModel):
     clears its buffer."""
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None, *,
-                 fsdp_root: FSDPModule | None, tensor_parallel: bool):
+                 fsdp_root: FSDPModule | None, tensor_parallel: bool, casts_parameters: bool = False):
         super().__init__(module, group)
         self.fsdp_root = fsdp_root
         self.tensor_parallel = tensor_parallel
+        self.casts_parameters = casts_parameters
         # FSDP gathers each block's parameters in every micro-batch's forward: all ranks run all.
         self.syncs_every_micro_batch = fsdp_root is not None
 

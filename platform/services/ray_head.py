@@ -4,11 +4,20 @@ It is `ray start --head --block` in its own process group: `--block` makes the c
 parent of every Ray daemon it starts and kills them when it is terminated, so stopping the
 group stops the cluster. Ray's worker processes can outlive that briefly; they all carry the
 cluster's private temp dir in their command line, which is how `stop()` sweeps them.
+
+Every embedded head runs with Ray's token authentication and a token of its own, made when it
+starts and handed to the head's processes and to the drivers `longrun run` starts, through
+their environment (readable by the same user only, never on a command line). Loopback is not a
+boundary on a shared login or GPU box: without a token, any other user there could find the
+GCS or dashboard port and run code as this job's owner, beside its checkpoints and its Redis
+password. The dashboard (and the Jobs API it serves) starts only when asked for, and then
+demands the token too.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -17,6 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from longrun.safe_files import create
 from longrun.services.ports import free_ports
 from longrun.services.process import ManagedProcess, ServiceError, kill_pids, pids_mentioning
 
@@ -25,17 +35,22 @@ LOOPBACK = "127.0.0.1"
 # embedded head is single-node, so keep every Ray server (GCS, raylet, client server,
 # dashboard) on loopback. Drivers connecting to it need the same environment.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-# Ray (2.5x+) turns token authentication on for any head started where ~/.ray/auth_token exists
-# (one local `ray.init()` writes it), and then refuses every client that lacks the token:
-# longrun's own driver, its readiness check, `longrun submit`. The embedded head listens on
-# loopback only; unless the user chose a mode (RAY_AUTH_MODE with its token in RAY_AUTH_TOKEN,
-# which longrun's processes inherit), it runs without tokens, as before such a file existed.
-AUTH_DEFAULT = {"RAY_AUTH_MODE": "disabled"}
+# Ray reads the token from RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH and ~/.ray/auth_token, so
+# a token file a local `ray.init()` left (which had turned auth on with a token the embedded
+# head's drivers lacked: the head never read as ready) no longer matters. The mode is read once,
+# when Ray is first imported: a driver's environment is set before that (`cli/run.py`).
+AUTH_MODE_ENV, AUTH_TOKEN_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"
 
 
-def embedded_env(environ: dict[str, str]) -> dict[str, str]:
-    """The environment of an embedded head and of the processes that talk to it."""
-    return {**AUTH_DEFAULT, **environ, **LOOPBACK_ENV}
+def new_token() -> str:
+    """A token for one embedded head (Ray's own are 32 hex digits; this is 256 bits)."""
+    return secrets.token_hex(32)
+
+
+def embedded_env(environ: dict[str, str], token: str) -> dict[str, str]:
+    """The environment of an embedded head with `token`, and of the drivers that talk to it."""
+    env = {k: v for k, v in environ.items() if k != "RAY_AUTH_TOKEN_PATH"}
+    return {**env, AUTH_MODE_ENV: "token", AUTH_TOKEN_ENV: token, **LOOPBACK_ENV}
 
 
 class EmbeddedRay:
@@ -45,12 +60,14 @@ class EmbeddedRay:
         self,
         *,
         num_cpus: int | None = None,
-        include_dashboard: bool = True,
+        include_dashboard: bool = False,
         start_timeout_s: float = 90.0,
+        auth_token: str | None = None,
     ):
         self.num_cpus = num_cpus
         self.include_dashboard = include_dashboard
         self.start_timeout_s = start_timeout_s
+        self.auth_token = auth_token or new_token()
         self.gcs_port: int | None = None
         self.dashboard_port: int | None = None
         self.temp_dir: Path | None = None
@@ -61,6 +78,22 @@ class EmbeddedRay:
         """The GCS address, for `ray.init(address=...)`."""
         self._require_running()
         return f"{LOOPBACK}:{self.gcs_port}"
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a driver's environment needs to reach this head (set before Ray is imported)."""
+        return {AUTH_MODE_ENV: "token", AUTH_TOKEN_ENV: self.auth_token, **LOOPBACK_ENV}
+
+    @property
+    def token_file(self) -> Path:
+        """A file (mode 0600, in the head's private temp dir) holding the token, to sign in to
+        the dashboard with; written on first use."""
+        self._require_running()
+        path = self.temp_dir / "auth_token"
+        if not path.exists():
+            with create(path, text=True, mode=0o600) as f:
+                f.write(self.auth_token + "\n")
+        return path
 
     @property
     def dashboard_url(self) -> str:
@@ -89,7 +122,7 @@ class EmbeddedRay:
         ]
         if self.num_cpus is not None:
             argv.append(f"--num-cpus={self.num_cpus}")
-        env = embedded_env(dict(os.environ))
+        env = embedded_env(dict(os.environ), self.auth_token)
         # Jobs submitted to this head run `python ...` in its environment: make that this
         # interpreter (the one with longrun installed), whether or not a venv is activated.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -145,11 +178,10 @@ class EmbeddedRay:
             delay = min(delay * 2, 0.5)
 
     def _dashboard_up(self) -> bool:
-        url = f"http://{LOOPBACK}:{self.dashboard_port}/api/version"
+        request = urllib.request.Request(f"http://{LOOPBACK}:{self.dashboard_port}/api/version",
+                                         headers={"Authorization": f"Bearer {self.auth_token}"})
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(request, timeout=2) as response:
                 return response.status == 200
-        except urllib.error.HTTPError as exc:  # it answers: up (a 401 is token auth, the user's choice)
-            return exc.code == 401
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError):  # HTTPError included: not (yet) serving us
             return False

@@ -92,6 +92,7 @@ class PackedStream:
     layout: AttentionLayout
 
 
+@torch.compiler.disable  # host checks and bookkeeping: never traced (training.compile: model)
 def packed_stream(cfg: ModelSection, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None,
                   context_parallel: ContextParallelAttention | None = None, *, multiple: int = 1,
                   length: int | None = None) -> PackedStream:
@@ -129,6 +130,16 @@ def packed_stream(cfg: ModelSection, tokens: Tensor, positions: Tensor, cu_seqle
 # --- the decoder -----------------------------------------------------------------------------
 
 
+@torch.compiler.disable
+def attend(layout: AttentionLayout, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`layout.attend(q, k, v)`, never traced by `torch.compile` (training.compile): a layout is
+    host-side bookkeeping (document boundaries in numpy, a CP ring's transfers) whose shapes
+    change every micro-batch, and its kernels (flash, varlen, the CP ring) are fused already.
+    Compiled blocks break their graph here: norms, projections, rotary and SwiGLU on each side
+    are compiled, the attention runs eagerly (the regional compilation torchtitan uses)."""
+    return layout.attend(q, k, v)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelSection):
         super().__init__()
@@ -145,7 +156,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(t, -1, self.head_dim)
         v = self.wv(x).view(t, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.wo(layout.attend(q, k, v).reshape(t, -1))
+        return self.wo(attend(layout, q, k, v).reshape(t, -1))
 
 
 class FeedForward(nn.Module):

@@ -27,12 +27,15 @@ class StepMetrics:
     # the job's throughput, which the driver's progress line shows. 0: not known.
     global_tokens: int = 0
     global_tokens_per_s: float = 0.0
+    # torch.compile's recompilations in this process so far (training.compile; 0 when eager):
+    # after the first step a steady job adds none.
+    recompiles: int = 0
 
     def report(self) -> dict[str, float | int | None]:
         """What the driver shows of this step (rides on the step ledger to the controller):
         the job's tokens and rate where known, this rank's otherwise."""
         out = asdict(self)
-        del out["step"], out["global_tokens"], out["global_tokens_per_s"]
+        del out["step"], out["global_tokens"], out["global_tokens_per_s"], out["recompiles"]
         if self.global_tokens:
             out["tokens"], out["tokens_per_s"] = self.global_tokens, self.global_tokens_per_s
         return out

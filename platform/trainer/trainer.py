@@ -3,12 +3,26 @@
     python -c "from longrun.config import config_from_dict; from longrun.trainer import Trainer;
                Trainer(config_from_dict({'job': {'name': 'demo'}})).train()"
 
-A step reads top to bottom in `train_step`: `_next_step` (this rank's `StepWork`, see
-`step.py`, from the `StepFeed` of `feed.py`), `forward_backward` (every micro-batch,
-gradients synchronised in the last one's backward), the NaN checks, clipping, the
+A step reads top to bottom in `_launch_step`: `_next_step` (this rank's `StepWork`, see
+`step.py`, from the `StepFeed` of `feed.py`), `forward_backward_on_device` (every micro-batch,
+gradients synchronised in the last one's backward), clipping, the non-finite check, the
 `before_update` hooks, the optimizer. The model was wrapped once by `parallelize`
 (`parallelize.py`), so the step does not know which parallelisms are on. Phases
 (`on_phase`) mark where the rank is, for heartbeats and metrics.
+
+No host synchronisation inside a step (issue 40). The loss and the gradient norm stay on the
+device; whether either is NaN/inf is decided there too, and a non-finite step's update is
+skipped on the device (`guard.py`: the fused AdamW's found-inf skip, as `GradScaler` does), so
+no weight or optimizer state ever sees it. The values reach the host through a pinned,
+non-blocking copy (`readings.py`) and are read one step late: `train()` reads step k's once step
+k+1's forward and backward are queued, before step k+1's optimizer, and only then runs step k's
+hooks (metrics, heartbeat, checkpoint), with the trainer's state still exactly step k's. A
+non-finite step k raises `NonFiniteLossError` / `NonFiniteGradientError` naming step k there,
+after putting the trainer back to step k-1 (step count, LR schedule, data position; its weights
+and optimizer state never moved), so nothing of it is ever checkpointed or snapshotted. This is
+on by default on CUDA (`read_late`); on the CPU the step has run by the time it returns, and
+reading at once costs nothing, so step k's hooks run right after it (the same results, bit for
+bit: tests/test_step_readings.py).
 
 One optimizer step is one global batch of `cfg.global_batch_tokens` tokens (by default
 data.micro_batch_tokens x training.grad_accum x the span), drawn the same by every rank of the
@@ -32,6 +46,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,14 +62,17 @@ from longrun.data.mixture import build_sampler
 from longrun.data.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
 from longrun.data.tokenizers import load_tokenizer
 from longrun.kinds import Phase
+from longrun.parallel.compile import compile_counts
 from longrun.parallel.pipeline import PipelinedModel
 from longrun.trainer.build import build_model, initialise
 from longrun.trainer.cp.batches import ContextParallelSetup, PlannedStep, RankMicroBatch
 from longrun.trainer.cp.planner import Plan
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.feed import StepFeed
+from longrun.trainer.guard import guarded_step, non_finite
 from longrun.trainer.optim import build_optimizer
 from longrun.trainer.progress import ProgressPrinter, StepMetrics
+from longrun.trainer.readings import StepReadings, StepTimer
 from longrun.trainer.runtime import (
     peak_memory_bytes,
     resolve_device,
@@ -134,6 +152,11 @@ class Trainer:
         self.before_update: list[Callable[[], None]] = []
         self.printer = (ProgressPrinter(cfg.training.steps, cfg.training.log_every,
                                         layout=self.layout) if progress else None)
+        # Read each step's numbers one step late (see the module docstring): on CUDA, where the
+        # host would otherwise wait for the device every step; elsewhere a step has run when it
+        # returns, and its hooks run at once.
+        self.read_late = self.device.type == "cuda"
+        self._recompiles_seen = 0
         log.info("model: %s parameters on this rank, %d documents in the corpus",
                  f"{sum(p.numel() for p in self.model.parameters()):,}", len(self.corpus))
 
@@ -158,8 +181,11 @@ class Trainer:
     def _summed_token_loss(self, model: torch.nn.Module, inputs, attention=None) -> torch.Tensor:
         self.on_phase(Phase.FORWARD)
         inputs = inputs.to(self.device, non_blocking=True)
+        # Where FSDP2 already gathers the weights in bf16 (precision.py), autocast would only
+        # re-cast; it is for the layouts whose weights stay fp32 (the CPU, DDP).
+        cast = not getattr(getattr(self, "parallel", None), "casts_parameters", False)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                            enabled=self.cfg.training.dtype == "bfloat16"):
+                            enabled=self.cfg.training.dtype == "bfloat16" and cast):
             if attention is None:
                 logits = model(inputs.tokens, inputs.positions, inputs.cu_seqlens)
             else:
@@ -178,12 +204,18 @@ class Trainer:
             model, build_micro_batch([np.array([self.tokenizer.BOS, self.tokenizer.EOS])]))
 
     def forward_backward(self, work: StepWork | list[MicroBatch]) -> tuple[float, float]:
+        """`forward_backward_on_device`, its loss read on the host (a synchronisation: for
+        callers that want the number now; the step itself does not)."""
+        loss, flops = self.forward_backward_on_device(work)
+        return loss.item(), flops
+
+    def forward_backward_on_device(self, work: StepWork | list[MicroBatch]) -> tuple[torch.Tensor, float]:
         """Accumulate into .grad the gradient of the global batch's mean token loss (every
-        micro-batch of every rank of the replica span); return that loss and this rank's
-        training FLOPs (model FLOPs, for MFU). Every rank runs the same number of
-        micro-batches; gradients are synchronised during the last one's backward. A rank idle
-        in the last micro-batch still joins that synchronisation with a zero-weight pass;
-        idle earlier ones are skipped."""
+        micro-batch of every rank of the replica span); return that loss (a scalar on the
+        device, not read) and this rank's training FLOPs (model FLOPs, for MFU). Every rank runs
+        the same number of micro-batches; gradients are synchronised during the last one's
+        backward. A rank idle in the last micro-batch still joins that synchronisation with a
+        zero-weight pass; idle earlier ones are skipped."""
         if not isinstance(work, StepWork):
             work = plain_step(work)
         if work.loss_tokens is None:
@@ -206,9 +238,9 @@ class Trainer:
             if not mb.idle:  # this rank's share of its group's work
                 flops += self.flops.of_documents(mb.documents.seq_lens) / mb.share
         self.on_phase(Phase.SYNC)
-        return (self.parallel.all_reduce_sum(loss_sum) / loss_tokens).item(), flops
+        return self.parallel.all_reduce_sum(loss_sum) / loss_tokens, flops
 
-    def _forward_backward_pipelined(self, work: StepWork, loss_tokens) -> tuple[float, float]:
+    def _forward_backward_pipelined(self, work: StepWork, loss_tokens) -> tuple[torch.Tensor, float]:
         """`forward_backward` through the pipeline schedule: every micro-batch of the step at
         once (the schedule interleaves their forwards and backwards across the stages). The
         loss is the last stage's, summed over the span and then shared with every stage."""
@@ -218,7 +250,7 @@ class Trainer:
         flops = sum(self.flops.of_documents(mb.documents.seq_lens)
                     for mb in work.micro_batches if not mb.idle) * self.pipeline.layer_share
         self.on_phase(Phase.SYNC)
-        return self.pipeline.pipeline_sum(self.parallel.all_reduce_sum(loss)).item(), flops
+        return self.pipeline.pipeline_sum(self.parallel.all_reduce_sum(loss)), flops
 
     def _micro_batch(self, mb: MicroBatchWork, *, last: bool, loss_tokens) -> torch.Tensor:
         """Forward and backward of one micro-batch (gradients synchronised only when `last`);
@@ -293,21 +325,36 @@ class Trainer:
         return self.feed.next()
 
     def train_step(self) -> StepMetrics:
-        start = time.perf_counter()
+        """One step, its numbers read at once: a host synchronisation, for callers that want
+        this step's loss now (a test, a one-off step). `train()` reads them one step late.
+        Raises `NonFiniteError` (the trainer back at the previous step, nothing updated)."""
+        return self._settle(self._launch_step())
+
+    def _launch_step(self, between: Callable[[], None] | None = None) -> _PendingStep:
+        """Step `self.step + 1` with no host synchronisation: everything is queued on the
+        device, the numbers are on their way to the host (`readings.py`), a non-finite step's
+        update is skipped on the device (`guard.py`). `between` runs after this step's forward
+        and backward, before its optimizer changes anything: `train()` finishes the previous
+        step there (reads it, raises if it was not finite, runs its hooks)."""
+        timer = StepTimer.begin(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         work, wait = self._next_step()
         lr = self.scheduler.get_last_lr()[0]
+        before = _Rewind(self.step, self.scheduler.state_dict(),
+                         [group["lr"] for group in self.optimizer.param_groups], self.feed.state)
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            loss_value, flops = self.forward_backward(work)
-            if not math.isfinite(loss_value):
-                raise NonFiniteLossError(self.step + 1, loss_value)
-            # A finite loss can still back-propagate inf (an overflow in one layer); stepping
-            # on it would poison the weights, so check before the optimizer runs.
-            grad_norm_value = float(self._clip_gradients())
-            if not math.isfinite(grad_norm_value):
-                raise NonFiniteGradientError(self.step + 1, grad_norm_value)
+            loss, flops = self.forward_backward_on_device(work)
+            # A finite loss can still back-propagate inf (an overflow in one layer): the flag
+            # covers the gradient norm too, and stops the update on the device.
+            grad_norm = self._clip_gradients()
+            bad = non_finite(loss, grad_norm)
+            readings = StepReadings.capture(loss, grad_norm, bad, timer)
+            if between is not None:
+                paused = time.perf_counter()
+                between()
+                timer.pause_s = time.perf_counter() - paused
         except BaseException:
             # The step did not happen: rewind the data to the last completed step, so that
             # state_dict() and a retry in this process agree with the weights.
@@ -316,44 +363,106 @@ class Trainer:
         self.on_phase(Phase.OPTIMIZER)
         for hook in self.before_update:
             hook()
-        self.optimizer.step()
+        guarded_step(self.optimizer, bad)
         self.scheduler.step()
         self.step += 1
         self.feed.done(work)
         self.last_plan = work.plan
         self.last_work_cost = self._work_cost(work, flops)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the optimizer's kernels belong to this step's time
-        step_time = time.perf_counter() - start
+        timer.stop()
+        return _PendingStep(self.step, readings, before, lr=lr, work=work, wait_s=wait, flops=flops,
+                            memory_bytes=peak_memory_bytes(self.device))
+
+    def _settle(self, pending: _PendingStep) -> StepMetrics:
+        """Read a launched step's numbers: its metrics, or (not finite) the trainer put back to
+        the step before it and `NonFiniteLossError` / `NonFiniteGradientError` naming it. Only
+        valid before the next step's optimizer runs (`_launch_step`'s `between`)."""
+        loss, grad_norm, bad, step_time = pending.readings.read()
+        if bad:
+            # Its weights and optimizer state never moved (guard.py); the rest goes back.
+            rewind = pending.before
+            self.step = rewind.step
+            self.scheduler.load_state_dict(rewind.scheduler)
+            for group, lr in zip(self.optimizer.param_groups, rewind.lrs, strict=True):
+                group["lr"] = lr  # the schedule had set the next step's
+            self.feed.state = rewind.data
+            self.close()
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(pending.step, loss)
+            raise NonFiniteGradientError(pending.step, grad_norm)
+        work, flops = pending.work, pending.flops
         # Every rank drew the whole global batch (or summed its count), so each knows its tokens.
         global_tokens = work.loss_tokens if work.loss_tokens is not None else 0
         return StepMetrics(
-            step=self.step, loss=loss_value, grad_norm=grad_norm_value, lr=lr, tokens=work.tokens,
-            tokens_per_s=work.tokens / step_time, step_time_s=step_time, data_wait_s=wait,
+            step=pending.step, loss=loss, grad_norm=grad_norm, lr=pending.lr, tokens=work.tokens,
+            tokens_per_s=work.tokens / step_time, step_time_s=step_time, data_wait_s=pending.wait_s,
             mfu=flops / step_time / self.peak_flops if self.peak_flops else None,
-            memory_bytes=peak_memory_bytes(self.device),
+            memory_bytes=pending.memory_bytes,
             global_tokens=global_tokens, global_tokens_per_s=global_tokens / step_time,
+            recompiles=self._recompiles(pending.step),
         )
+
+    def _recompiles(self, step: int) -> int:
+        """torch.compile's recompilations so far, with a warning whenever a step after the
+        first added some (each costs seconds, and a job that keeps recompiling is slow)."""
+        seen = compile_counts().recompilations
+        if seen > self._recompiles_seen and step > 1:
+            log.warning("step %d: torch.compile recompiled %d time(s) (%d in this process); see "
+                        "TORCH_LOGS=recompiles for why", step, seen - self._recompiles_seen, seen)
+        self._recompiles_seen = seen
+        return seen
 
     def train(self, steps: int | None = None,
               on_step: Callable[[StepMetrics], None]
               | Sequence[Callable[[StepMetrics], None]] | None = None) -> StepMetrics | None:
         """Run `steps` more steps (default: until training.steps). Each step's metrics go to
-        the progress printer, then to the `on_step` hook(s). Returns the last metrics."""
+        the progress printer, then to the `on_step` hook(s), with the trainer's state that of
+        that step. With `read_late`, step k's are read and its hooks run while step k+1 is
+        under way (after its forward and backward, before its optimizer: see the module
+        docstring); the last step's before this returns. Returns the last metrics."""
         until = self.cfg.training.steps if steps is None else self.step + steps
         hooks = [] if on_step is None else [on_step] if callable(on_step) else list(on_step)
         if self.printer is not None:
             hooks.insert(0, self.printer)
-        metrics = None
+        done: list[StepMetrics] = []
+
+        def finish(pending: _PendingStep) -> None:
+            metrics = self._settle(pending)
+            for hook in hooks:
+                hook(metrics)
+            done[:] = [metrics]
+
+        pending: _PendingStep | None = None
         while self.step < until:
             if self.step + 1 in self.skip_steps:
+                if pending is not None:
+                    finish(pending)
+                    pending = None
                 self.skip_step()
                 self.on_skip(self.step)
                 continue
-            metrics = self.train_step()
-            for hook in hooks:
-                hook(metrics)
-        return metrics
+            if not self.read_late:
+                finish(self._launch_step())
+                continue
+            previous = pending
+            pending = self._launch_step(None if previous is None
+                                        else lambda p=previous: self._between_steps(p, finish))
+        if pending is not None:
+            finish(pending)
+        return done[0] if done else None
+
+    def _between_steps(self, previous: _PendingStep, finish: Callable[[_PendingStep], None]) -> None:
+        """Finish the previous step while this one's forward and backward run on the device. On
+        CUDA its hooks run on a stream that has seen the previous step's kernels and not this
+        step's, so what they queue (a checkpoint's device-to-host copy) runs beside this step's
+        forward and backward instead of after them; this step's optimizer waits for it."""
+        stream = previous.readings.stream_after()
+        if stream is None:
+            finish(previous)
+            return
+        with torch.cuda.stream(stream):
+            finish(previous)
+        torch.cuda.current_stream().wait_stream(stream)
 
     def skip_step(self) -> None:
         """Consume the next step's data without training on it (the health policy's answer
@@ -398,3 +507,28 @@ class Trainer:
         self.step = int(state["step"])
         if state["rng"] is not None:  # None: restored at another world size, streams kept
             set_rng_state(state["rng"])
+
+
+@dataclass(frozen=True)
+class _Rewind:
+    """What a step changes besides the weights and the optimizer's state (which a non-finite
+    step leaves as they were): put back when its numbers turn out not finite."""
+
+    step: int
+    scheduler: dict[str, Any]
+    lrs: list[float]  # each parameter group's learning rate
+    data: dict[str, Any] | None
+
+
+@dataclass
+class _PendingStep:
+    """A launched step whose numbers are still on their way to the host."""
+
+    step: int
+    readings: StepReadings
+    before: _Rewind
+    lr: float
+    work: StepWork
+    wait_s: float
+    flops: float
+    memory_bytes: int

@@ -10,6 +10,7 @@ for the controller, metrics for operators, checkpoints, injected faults.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -18,7 +19,7 @@ from longrun import keys
 from longrun.config import JobConfig
 from longrun.failures import carried
 from longrun.goodput.ledger import StepLedger
-from longrun.health.heartbeat import AgentLink, HeartbeatPublisher, agent_address
+from longrun.health.heartbeat import AgentLink, HeartbeatPublisher
 from longrun.kinds import FaultKind, Phase
 from longrun.observability.discovery import advertised_address
 from longrun.observability.metrics import WorkerMetrics
@@ -68,10 +69,12 @@ class TrainWorker:
     def assume(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
                node_ids: list[str] | None = None, resume_before_step: int | None = None,
                skip_steps: list[tuple[int, int]] | None = None,
-               snapshots: dict[str, Any] | None = None) -> None:
+               snapshots: dict[str, Any] | None = None, beat_address: str | None = None) -> int:
         """`snapshots`: peer memory snapshots, from the controller (controller/keepers.py):
         the keepers to send to ("targets") and, after a fault, where to restore from
-        ("restore": the step and each rank's keeper); None: off."""
+        ("restore": the step and each rank's keeper); None: off. `beat_address`: this node's
+        heartbeat agent (health.node_agents), None without one. Returns this process's pid, by
+        which the agent knows this rank's beats from anyone else's datagrams."""
         self.cfg = JobConfig.model_validate(config)
         self.snapshots = snapshots
         self.rank = rank
@@ -80,6 +83,8 @@ class TrainWorker:
         self.node_ids = node_ids or ["local"]
         self.resume_before_step = resume_before_step
         self.skip_steps = [tuple(w) for w in skip_steps or ()]  # [first, last] windows not to train on
+        self.beat_address = beat_address
+        return os.getpid()
 
     def _redis(self):
         """This rank's Redis connections (two at most, whatever it does: worker/redis_links.py),
@@ -145,7 +150,7 @@ class TrainWorker:
         node_index = self.rank // cfg.cluster.workers_per_node
         node = self.node_ids[node_index]
         # At scale the beat goes to this node's agent (controller/agents.py started it before us).
-        link = AgentLink(agent_address(cfg.job.name, node), node_index) if cfg.node_agents else None
+        link = AgentLink(self.beat_address, node_index) if self.beat_address else None
         health = cfg.health
         beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank, health.heartbeat_interval_s,
                                   health.heartbeat_timeout_s, link=link).start()
@@ -222,8 +227,11 @@ class TrainWorker:
             if self.snapshots is not None:
                 from longrun.worker.snapshots import memory_snapshots
 
-                hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots,  # None: unreachable
-                                                   on_drop=metrics.snapshot_dropped)
+                # Every rank gets one: each snapshot begins with the ranks' agreement (its part
+                # of its shard, the same steps on every rank), even where the keepers are gone.
+                hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots, groups,
+                                                   on_drop=metrics.snapshot_dropped,
+                                                   on_interval=metrics.snapshot_interval)
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
             if not resumed_from:
@@ -312,10 +320,11 @@ class TrainWorker:
 
 
 def _committed_at(ckpt, step: int) -> float:
-    """When the checkpoint of `step` was committed (its directory's time), for the age panel."""
-    from longrun.checkpoint.layout import step_dir_name
+    """When the checkpoint of `step` was committed (its manifest's time: written last, it is
+    the commit; an object store's directories have no time), for the age panel."""
+    from longrun.checkpoint.layout import MANIFEST, step_dir
 
     try:
-        return float(ckpt.fs.modified(f"{ckpt.root}/{step_dir_name(step)}").timestamp())
+        return float(ckpt.fs.modified(f"{step_dir(ckpt.fs, ckpt.root, step)}/{MANIFEST}").timestamp())
     except (OSError, NotImplementedError, AttributeError):
         return time.time()

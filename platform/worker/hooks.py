@@ -106,6 +106,8 @@ class StepHooks:
         self.beat.update(step=m.step, loss=m.loss if finite else None, loss_finite=finite,
                          step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
                          memory_bytes=m.memory_bytes, work_cost=cost, stepped_at=time.time())
+        if self.snapshots is not None:  # what the `auto` snapshot interval is measured against
+            self.snapshots.observe_step(m.step_time_s)
         self._step_done(m.step, m.report())
 
     def after_skipped_step(self, step: int) -> None:
@@ -122,9 +124,17 @@ class StepHooks:
             # a host copy; sent to the keepers in the background
             self._blocked["snapshot_s"] += _timed(self.snapshots.take, self.trainer)
         if self.ledger is not None:
+            snaps = self.snapshots
+            if metrics is not None and snaps is not None and snaps.enabled and snaps.decided:
+                # The interval the ranks chose (`auto`): the driver says so when it changes.
+                metrics = metrics | {"snapshot_every": snaps.every}
             self.ledger.step(step, **self._blocked, metrics=metrics)
         self._blocked = dict.fromkeys(self._blocked, 0.0)
         if self.faults is not None:
+            if self.snapshots is not None and self.faults.pending and self.faults.pending[0].step <= step:
+                # A fault may poison the weights ('nan'): the snapshot's copy of this step,
+                # which runs beside the next step, must be done before it does.
+                self.snapshots.before_update()
             self.faults.after_step(step)
         if self.preemption is not None and self.preemption.stop_after(step):
             self.phase(Phase.CHECKPOINT)

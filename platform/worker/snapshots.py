@@ -1,108 +1,97 @@
-"""The worker's side of peer memory snapshots: sending each step's state to two keepers,
-restoring from them after a fault, and turning what they hold into a committed checkpoint (the
-keepers and the plan are controller/keepers.py; the snapshot itself is checkpoint/memory.py).
+"""The worker's side of peer memory snapshots: sending each snapshot to two keepers, restoring
+from them after a fault, and turning what they hold into a committed checkpoint (the keepers
+and the plan are controller/keepers.py; the snapshot itself is checkpoint/memory.py; the
+transfer, chunk by chunk, worker/snapshot_transfer.py).
 
-    sender = snapshot_sender(rank, targets, timeout_s)   # send(step, blob, digest) to both keepers
+    snapshots = memory_snapshots(cfg, rank, plan, groups)        # this rank's part, agreed steps
     restored = restore_from_memory(trainer, rank, plan, world_group)   # or None: use storage
-    step = commit_from_keepers(config, plan)             # the plan's step, committed to storage
+    step = commit_from_keepers(config, plan, ranks, ledger)      # those ranks' files of the step
 
-A restore is all or nothing: every rank fetches and verifies its snapshot, and if any one
-cannot (a keeper gone, a checksum off), all of them restore from storage instead.
+A restore is all or nothing: every rank fetches and verifies its snapshot (its own blob and its
+replicas' parts of their shard), and if any one cannot (a keeper gone, a checksum off), all of
+them restore from storage instead.
 
 A restore at another layout (an elastic job that shrank or grew) and a stop request between
 attempts both go through `commit_from_keepers`: the old layout's snapshots of one step are
-written as a committed checkpoint, through the checkpoint writer and commit, which any layout
-restores by resharding (checkpoint/resharding.py), as it would any checkpoint.
+written as a committed checkpoint, through the checkpoint writer and commit, one process per
+node writing its ranks (controller/snapshot_commit.py), which any layout restores by resharding
+(checkpoint/resharding.py), as it would any checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import Any
 
 import ray
+import torch
 import torch.distributed as dist
 
-from longrun.checkpoint.memory import HOST_COPIES_PER_RANK, MemorySnapshots, open_snapshot
+from longrun.checkpoint.commit import CommitLedger
+from longrun.checkpoint.memory import HOST_COPIES_PER_RANK, Agree, MemorySnapshots, Part
 from longrun.checkpoint.memory_commit import commit_snapshots
 from longrun.checkpoint.restore import all_ranks_ok
 from longrun.checkpoint.sharding import globalize
 from longrun.config import JobConfig
+from longrun.worker.snapshot_transfer import SendTimeout, SnapshotUnavailable, fetch_snapshot, snapshot_sender
 
 log = logging.getLogger(__name__)
 
-FETCH_TIMEOUT_S = 120.0
 HOST_SHARE = 0.5  # of a node's memory that its snapshots (every copy, `HOST_COPIES_PER_RANK`) may fill
 
 
-class SendTimeout(RuntimeError):
-    """A keeper did not take a snapshot in time (the snapshot is dropped)."""
-
-
-def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = None):
-    """send(step, blob, digest): one copy into the object store, taken by both keepers; raises
-    SendTimeout when they have not within `timeout_s` (a slow keeper never holds the sender)."""
-    keepers = [ray.get_actor(name) for name in targets]
-
-    def send(step: int, blob, digest: str) -> None:
-        ref = ray.put(blob)  # one copy in the object store, read by both keepers
-        puts = [k.put.remote(rank, step, ref, digest) for k in keepers]
-        try:
-            ray.get(puts, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            for put in puts:  # not waited on any more; a late arrival is harmless to the keeper
-                with contextlib.suppress(Exception):  # already running: it may still land
-                    ray.cancel(put)
-            raise SendTimeout(f"the keepers did not take it within {timeout_s:g} s") from None
-    return send
-
-
-def snapshot_wait_s(cfg: JobConfig) -> float:
-    """How long a snapshot may hold a step (waiting for the previous send) and a send may wait
-    for its keepers: well under the shortest hang timeout, so a slow keeper costs snapshots,
-    never a restart."""
+def snapshot_timeout_s(cfg: JobConfig) -> float:
+    """How long a send may wait for its keepers to take a chunk: well under the shortest hang
+    timeout (a send runs beside training, but a keeper that never answers must free it)."""
     return min(cfg.health.hang_min_s, cfg.health.hang_timeout_s) / 2
 
 
-def memory_snapshots(cfg: JobConfig, rank: int, plan: dict[str, Any],
-                     on_drop=None) -> MemorySnapshots | None:
-    """This rank's snapshotter, for the controller's `plan` (keepers to send to, interval);
-    None when its keepers cannot be found (snapshots are a shortcut: training goes on, and
-    restarts read storage). `on_drop(step, why)`: told of each snapshot dropped."""
-    wait_s = snapshot_wait_s(cfg)
+def job_max(group: dist.ProcessGroup) -> Agree:
+    """The element-wise maximum of a few integers over `group` (one all-reduce): how the ranks
+    agree on each snapshot."""
+    def agree(values: list[int]) -> list[int]:
+        flags = torch.tensor(values, dtype=torch.int64)
+        if dist.get_backend(group) == "nccl":
+            flags = flags.cuda()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in flags.tolist()]
+    return agree
+
+
+def snapshot_part(rank: int, replicas: list[int] | None) -> Part:
+    """This rank's share of its shard: its place among `replicas` (the ranks holding the same
+    pieces: commgroup's `replicate` group)."""
+    members = tuple(sorted(replicas or [rank]))
+    return Part(members.index(rank), len(members), members if len(members) > 1 else ())
+
+
+def memory_snapshots(cfg: JobConfig, rank: int, plan: dict[str, Any], groups=None, *, on_drop=None,
+                     on_interval=None) -> MemorySnapshots:
+    """This rank's snapshotter, for the controller's `plan` (keepers to send to) and its
+    `groups` (its replicas, and the world the ranks agree over). Every rank gets one: a rank
+    whose keepers cannot be found still takes part in the agreement, which turns snapshots off
+    for all (a restore needs every rank's). `on_drop(step, why)`: each snapshot skipped or
+    lost; `on_interval(k)`: each interval chosen."""
     try:
-        send = snapshot_sender(rank, plan["targets"], timeout_s=wait_s)
+        send = snapshot_sender(rank, plan["targets"], timeout_s=snapshot_timeout_s(cfg))
     except ValueError as exc:  # Ray's word for a named actor it cannot find
-        log.warning("memory snapshots off on rank %d: %s", rank, exc)
-        return None
-    every = cfg.checkpoint.memory_interval_steps or 1  # null: every step, if it fits (the budget)
+        log.warning("memory snapshots off: rank %d cannot reach its keepers (%s)", rank, exc)
+        send = None
+    every = cfg.checkpoint.memory_interval_steps
     node_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     budget = int(node_memory * HOST_SHARE / cfg.cluster.workers_per_node)  # every copy counted
-    return MemorySnapshots(send, every, host_budget_bytes=budget, wait_s=wait_s, on_drop=on_drop)
-
-
-def fetch_snapshot(rank: int, step: int, names: list[str]) -> tuple[dict[str, Any] | None, list[str]]:
-    """Rank `rank`'s snapshot of `step` ({"state", "where"}), read and verified from the
-    first of the keepers `names` that has a good copy; (None, the problems) when none has."""
-    problems = []
-    for name in names:  # this node's copy, then the peer's
-        try:
-            keeper = ray.get_actor(name)
-            blob, digest = ray.get(keeper.get.remote(rank, step), timeout=FETCH_TIMEOUT_S)
-            state, where = open_snapshot(blob, digest)
-            return {"state": state, "where": where}, problems
-        except Exception as exc:  # a keeper gone with its node, a checksum off: the next copy
-            problems.append(f"{name}: {type(exc).__name__}: {exc}")
-    return None, problems
+    return MemorySnapshots(send, None if every in (None, "auto") else every,
+                           part=snapshot_part(rank, groups.ranks["replicate"] if groups else None),
+                           host_budget_bytes=budget, agree=job_max(groups.world) if groups else None,
+                           on_drop=on_drop, on_interval=on_interval)
 
 
 def restore_from_memory(trainer, rank: int, restore: dict[str, Any],
                         world_group: dist.ProcessGroup | None) -> int | None:
     """Load the step `restore` names from the keepers into `trainer`; the step, or None when
     any rank could not (then nothing was loaded anywhere). Collective over `world_group`."""
-    snapshot, problems = fetch_snapshot(rank, restore["step"], restore["keepers"][str(rank)])
+    snapshot, problems = fetch_snapshot(rank, restore["step"], restore["keepers"])
     problem = "; ".join(problems) if snapshot is None else None
     if not all_ranks_ok(problem is None, world_group):
         log.warning("memory snapshot of step %d unusable (%s); restoring from storage", restore["step"],
@@ -117,23 +106,43 @@ class SnapshotUnreadable(RuntimeError):
     """No keeper has a good copy of some rank's snapshot: nothing can be committed."""
 
 
-def commit_from_keepers(config: dict[str, Any], restore: dict[str, Any]) -> int:
-    """Write the snapshots of `restore["step"]` (every rank of the layout `config` describes,
-    from the keepers `restore` lists) as a committed checkpoint in the job's checkpoint dir;
-    the step. Raises (and commits nothing) when a rank's snapshot cannot be read."""
+def commit_from_keepers(config: dict[str, Any], restore: dict[str, Any], ranks: list[int] | None = None,
+                        ledger: CommitLedger | None = None, prefer: str | None = None) -> int:
+    """Write the snapshots of `restore["step"]` of `ranks` (default: every rank of the layout
+    `config` describes) from the keepers `restore` lists (`prefer`: this node's keeper, tried
+    first) into the job's checkpoint dir, reporting to `ledger` (shared with the processes
+    writing the other ranks); the step. Raises (and commits nothing) when a rank's snapshot
+    cannot be read."""
     cfg = JobConfig.model_validate(config)
     step = int(restore["step"])
 
     def read(rank: int) -> dict[str, Any]:
-        snapshot, problems = fetch_snapshot(rank, step, restore["keepers"].get(str(rank), []))
+        # Only the first of a shard's replicas writes its pieces: the others' own blobs suffice.
+        snapshot, problems = fetch_snapshot(rank, step, restore["keepers"], full=None, prefer=prefer)
         if snapshot is None:
             raise SnapshotUnreadable(f"rank {rank}'s snapshot of step {step}: " + ("; ".join(problems)
                                      or "no keeper holds it"))
         return snapshot
 
-    commit_snapshots(cfg, step, read)
+    commit_snapshots(cfg, step, read, ranks=ranks, ledger=ledger)
     return step
 
 
-__all__ = ["HOST_COPIES_PER_RANK", "SendTimeout", "commit_from_keepers", "memory_snapshots",
-           "restore_from_memory", "snapshot_sender"]
+class ActorLedger:
+    """A commit ledger held by a Ray actor (`LocalCommitLedger` inside it): the processes that
+    write one commit's ranks on several nodes report to it, and rank 0's writer waits on it.
+    Every method of the ledger's protocol (`checkpoint/commit.py`) is the actor's, called and
+    waited for."""
+
+    shared = True  # every process writing the commit sees the same reports
+
+    def __init__(self, actor):
+        self._actor = actor
+
+    def __getattr__(self, name: str):
+        method = getattr(self._actor, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+__all__ = ["HOST_COPIES_PER_RANK", "ActorLedger", "SendTimeout", "SnapshotUnavailable", "commit_from_keepers",
+           "job_max", "memory_snapshots", "restore_from_memory", "snapshot_sender"]

@@ -1,0 +1,134 @@
+"""Peer memory snapshots over Ray, a chunk at a time: to the keepers and back.
+
+    send = snapshot_sender(rank, ["keeper-a", "keeper-b"], timeout_s=30)   # send(step, blob, digest)
+    snapshot, problems = fetch_snapshot(rank, step, keepers)   # every part of its shard, verified
+
+A send puts one chunk (the digest's chunk size, `checkpoint/snapshot_blob.py`) into the object
+store and hands it to both keepers, with at most `WINDOW` chunks in flight: the object store
+holds a few chunks of a snapshot at a time, never a second whole copy, and the keepers copy each
+chunk into place as it lands. A keeper that takes no chunk for `timeout_s` fails the send
+(`SendTimeout`): the snapshot is lost, training is not held (`checkpoint/memory.py`).
+
+A fetch reads a blob back the same way, checking each chunk's xxh3 as it lands, from the first
+keeper that holds a good copy (this node's, then the peer's); `fetch_snapshot` fetches a
+rank's own blob and, where its shard's bytes are divided among replicas, each replica's part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Any
+
+import numpy as np
+import ray
+
+from longrun.checkpoint.snapshot_blob import Blob, SnapshotError, check_chunk, chunk_digests, read_parts
+
+WINDOW = 4  # chunks in flight per send or fetch
+FETCH_TIMEOUT_S = 120.0
+
+
+class SendTimeout(RuntimeError):
+    """A keeper did not take a snapshot's chunk in time (the snapshot is dropped)."""
+
+
+class SnapshotUnavailable(RuntimeError):
+    """No keeper has a good copy of some rank's snapshot."""
+
+
+def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = None):
+    """send(step, blob, digest) to the keepers named `targets`; raises SendTimeout when they take
+    no chunk within `timeout_s` (a slow keeper never holds the sender for long)."""
+    keepers = [ray.get_actor(name) for name in targets]
+
+    def send(step: int, blob: Blob, digest: str) -> None:
+        data = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
+        size = chunk_digests(digest)[0] or max(data.size, 1)
+        pending: list[Any] = []
+        try:
+            for offset in range(0, data.size, size):
+                ref = ray.put(data[offset:offset + size])  # one copy in the object store, read by both
+                pending += [k.put_chunk.remote(rank, step, offset, ref, data.size, digest) for k in keepers]
+                pending = _settle(pending, WINDOW * len(keepers), timeout_s)
+            _settle(pending, 0, timeout_s)
+        except SendTimeout:
+            for put in pending:  # not waited on any more; a late chunk is ignored by its keeper
+                with contextlib.suppress(Exception):  # already running: it may still land
+                    ray.cancel(put)
+            raise
+    return send
+
+
+def _settle(pending: list[Any], keep: int, timeout_s: float | None) -> list[Any]:
+    """Wait until at most `keep` of `pending` are unfinished (a keeper's error raised); those."""
+    while len(pending) > keep:
+        done, pending = ray.wait(pending, num_returns=len(pending) - keep, timeout=timeout_s)
+        if not done:
+            raise SendTimeout(f"the keepers took no chunk within {timeout_s:g} s")
+        ray.get(done)
+    return pending
+
+
+def fetch_blob(rank: int, step: int, names: list[str]) -> tuple[tuple[np.ndarray, str] | None, list[str]]:
+    """(rank `rank`'s snapshot blob of `step` and its digest, read and verified chunk by chunk
+    from the first of the keepers `names` with a good copy, or None; the problems met)."""
+    problems = []
+    for name in names:
+        try:
+            return _fetch_from(ray.get_actor(name), rank, step), problems
+        except Exception as exc:  # a keeper gone with its node, a checksum off: the next copy
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+    return None, problems
+
+
+def _fetch_from(keeper, rank: int, step: int) -> tuple[np.ndarray, str]:
+    nbytes, digest = ray.get(keeper.describe.remote(rank, step), timeout=FETCH_TIMEOUT_S)
+    size, parts = chunk_digests(digest)
+    size = size or max(nbytes, 1)
+    offsets = range(0, nbytes, size)
+    if len(parts) != max(len(offsets), 1):
+        raise SnapshotError(f"the snapshot does not match its checksum ({nbytes} bytes, {len(parts)} chunks)")
+    out = np.empty(nbytes, dtype=np.uint8)
+    queue: deque = deque()
+    ahead = iter(offsets)
+    for offset in ahead:  # the window's first requests
+        queue.append((offset, keeper.get_chunk.remote(rank, step, offset, size)))
+        if len(queue) == WINDOW:
+            break
+    while queue:
+        offset, ref = queue.popleft()
+        chunk = ray.get(ref, timeout=FETCH_TIMEOUT_S)
+        check_chunk(chunk, parts[offset // size], f" (chunk {offset // size})")
+        out[offset:offset + len(chunk)] = chunk
+        following = next(ahead, None)
+        if following is not None:
+            queue.append((following, keeper.get_chunk.remote(rank, step, following, size)))
+    return out, digest
+
+
+def fetch_snapshot(rank: int, step: int, keepers: dict[str, list[str]], *, full: bool | None = True,
+                   prefer: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+    """Rank `rank`'s snapshot of `step` ({"state", "where", "part"}) from the keepers holding
+    each rank's (`keepers`: str(rank) -> names; `prefer`'s copy tried first), its replicas'
+    parts as `read_parts`' `full` says; (None, the problems) when some part has no good copy."""
+    problems: list[str] = []
+
+    def get(r: int) -> tuple[np.ndarray, str]:
+        names = keepers.get(str(r), [])
+        if prefer in names:
+            names = [prefer] + [n for n in names if n != prefer]
+        got, tried = fetch_blob(r, step, names)
+        problems.extend(tried)
+        if got is None:
+            raise SnapshotUnavailable(f"rank {r}'s snapshot of step {step}: "
+                                      + ("; ".join(tried) or "no keeper holds it"))
+        return got
+
+    try:
+        state, where, header = read_parts(rank, get, full=full, verified=True)
+    except SnapshotUnavailable:
+        return None, problems
+    except Exception as exc:  # parts that do not fit together
+        return None, [*problems, f"{type(exc).__name__}: {exc}"]
+    return {"state": state, "where": where, "part": header["part"][0]}, problems
