@@ -156,7 +156,10 @@ def at_size(gb: float, kills: int, seed: int) -> dict:
     dim, layers = sized(gb)
     cfg = config(tempfile.mkdtemp(prefix="lose-no-step-"), dim, layers).model_dump(mode="json")
     rng = random.Random(seed)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    # A cluster of its own, never one some other process left in /tmp/ray; and no
+    # ~/.ray/auth_token written, which would turn token auth on for every later Ray head here.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     keeper = ray.remote(num_cpus=0, max_concurrency=THREADS)(SnapshotKeeper)  # as `Keepers.ensure` makes it
     keeper = keeper.options(name="bench-keeper").remote()
     trainee = ray.remote(num_cpus=1, max_restarts=0)(Trainee)

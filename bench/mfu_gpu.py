@@ -33,6 +33,20 @@ its last line, and exits 0. `--device cpu --tiny` (hidden flags) runs the same c
 the CPU with a tiny model (dim 64, 2 layers) for 1 warm-up + 1 timed step + the profiled
 step, with a placeholder peak of 1 TFLOP/s: a check that the script works, not a measurement.
 Progress goes to stderr; the last line on stdout is one JSON object.
+
+Issue 40's switches (each works with `--device cpu --tiny` too):
+
+    --compile none|blocks|model      training.compile (regional per-block compile, or the model)
+    --ac none|full|selective         training.activation_checkpointing
+    --autocast                       weights stay fp32 and bf16 is autocast's (the path before
+                                     issue 40); default: FSDP2 holds bf16 copies of the fp32
+                                     master weights on a one-rank mesh (parallel/precision.py)
+    --profile                        device time of one profiled step by kind (matmul,
+                                     elementwise, attention, communication, other) and the
+                                     share of the step the device was busy
+
+Steps run through `Trainer.train` (numbers read one step late, no host synchronisation inside a
+step), so the step time is the device's, between CUDA events.
 """
 
 from __future__ import annotations
@@ -60,14 +74,15 @@ ATTENTION_OPS = ("attention", "attn", "flash", "varlen", "scaled_dot_product")
 log = logger("mfu_gpu")
 
 
-def make_config(model: dict, device: str, tokens: int, grad_accum: int, steps: int):
+def make_config(model: dict, device: str, tokens: int, grad_accum: int, steps: int, *,
+                compile_mode: str = "none", ac: str = "none"):
     return config_from_dict({
         "job": {"name": "bench-mfu-gpu", "seed": 0},
         "cluster": {"device": device},
         "model": model,
         "data": {"source": "synthetic", "micro_batch_tokens": tokens, "prefetch": 4},
         "training": {"steps": steps, "warmup_steps": min(10, steps), "grad_accum": grad_accum,
-                     "dtype": "bfloat16"},
+                     "dtype": "bfloat16", "compile": compile_mode, "activation_checkpointing": ac},
     })
 
 
@@ -99,6 +114,14 @@ def parse_args():
     cli.add_argument("--layers", type=int, default=MODEL_1B["n_layers"], help="model.n_layers")
     cli.add_argument("--peak-tflops", type=float, default=None,
                      help="the GPU's bf16 dense peak in TFLOP/s (overrides the table)")
+    cli.add_argument("--compile", choices=("none", "blocks", "model"), default="none",
+                     help="training.compile (default none)")
+    cli.add_argument("--ac", choices=("none", "full", "selective"), default="none",
+                     help="training.activation_checkpointing (default none)")
+    cli.add_argument("--autocast", action="store_true",
+                     help="fp32 weights cast by autocast instead of FSDP2's bf16 parameters")
+    cli.add_argument("--profile", action="store_true",
+                     help="device time of one profiled step by kind, and the busy share")
     cli.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     cli.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return cli.parse_args()
@@ -122,15 +145,24 @@ def main() -> None:
         steps = args.steps or (4 if args.quick else 10)
     gpu, peak, source = peak_of(args)
 
-    cfg = make_config(model, args.device, tokens, grad_accum, warmup + steps + 1)
+    cfg = make_config(model, args.device, tokens, grad_accum, warmup + steps + 2,
+                      compile_mode=args.compile, ac=args.ac)
+    if args.autocast:
+        # The path before issue 40, for comparison: no FSDP2 wrapper, autocast casts each weight.
+        from longrun.parallel import parallelize as parallelize_module
+
+        parallelize_module.casts_parameters = lambda device, dtype: False
     trainer = Trainer(cfg, peak_flops=peak, progress=False)
+    bf16_parameters = bool(getattr(trainer.parallel, "casts_parameters", False))
     n_params = trainer.model.num_params()
     n_body = trainer.model.num_params(exclude_embedding=True)
     log(f"{gpu}: peak {peak / 1e12 if peak else float('nan'):.1f} TFLOP/s ({source}); model {model}: "
         f"{n_params:,} parameters, {n_body:,} without the embedding; {tokens} tokens x {grad_accum} "
-        f"micro-batches per step, bf16; {warmup} warm-up + {steps} timed steps")
+        f"micro-batches per step, bf16 ({'bf16 parameters' if bf16_parameters else 'autocast'}), "
+        f"compile {args.compile}, AC {args.ac}; {warmup} warm-up + {steps} timed steps")
     try:
         timed, ops = train(trainer, warmup, steps)
+        breakdown = device_time_by_kind(trainer) if args.profile else None
     finally:
         trainer.close()
 
@@ -148,10 +180,13 @@ def main() -> None:
         "model_tflops": round(tflops, 2) if tflops is not None else None,
         "step_time_s": round(statistics.median(m.step_time_s for m in timed), 4),
         "memory_gib": round(max(m.memory_bytes for m in timed) / 2**30, 2),
-        "attention": path, "attention_ops": ops,
+        "attention": path, "attention_ops": ops, "profile": breakdown,
+        "recompiles": timed[-1].recompiles if timed else None,
         "device": gpu, "peak_tflops": peak / 1e12 if peak else None, "peak_source": source,
         "params": n_params, "params_non_embedding": n_body,
         "config": {**model, "micro_batch_tokens": tokens, "grad_accum": grad_accum, "dtype": "bfloat16",
+                   "compile": args.compile, "activation_checkpointing": args.ac,
+                   "bf16_parameters": bf16_parameters,
                    "data": "synthetic", "warmup": warmup, "steps": steps, "torch": torch.__version__},
         "dry_run": args.device == "cpu",
     }))
@@ -172,22 +207,78 @@ def peak_of(args) -> tuple[str, float | None, str]:
 
 
 def train(trainer: Trainer, warmup: int, steps: int) -> tuple[list, dict]:
-    """The warm-up and timed steps (the timed steps' metrics), then one profiled step's ops."""
+    """The warm-up and timed steps through `Trainer.train` (read one step late: the timed steps'
+    metrics), then one profiled step's attention ops."""
     timed = []
-    for i in range(warmup + steps):
-        m = trainer.train_step()
-        phase = "warm-up" if i < warmup else "timed"
+
+    def record(m) -> None:
+        phase = "warm-up" if m.step <= warmup else "timed"
         mfu = f"{100 * m.mfu:.1f}%" if m.mfu is not None else "n/a"
         log(f"step {m.step} ({phase}): {m.step_time_s * 1e3:.0f} ms, {m.tokens_per_s:,.0f} tok/s, "
             f"mfu {mfu}, loss {m.loss:.3f}, data wait {m.data_wait_s * 1e3:.1f} ms, "
-            f"mem {m.memory_bytes / 2**30:.1f} GiB")
-        if i >= warmup:
+            f"mem {m.memory_bytes / 2**30:.1f} GiB, recompiles {m.recompiles}")
+        if m.step > warmup:
             timed.append(m)
+
+    trainer.train(steps=warmup + steps, on_step=record)
     try:  # the profiler is a diagnostic: the measurement stands without it
         ops = profiled_attention_ops(trainer)
     except Exception as exc:
         ops = {"profiler failed": f"{type(exc).__name__}: {exc}"}
     return timed, ops
+
+
+KINDS = (  # first match wins; names are lower-cased kernel (CUDA) or operator (CPU) names
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "all_reduce", "allreduce", "gloo")),
+    ("attention", ("flash", "fmha", "attention", "attn", "varlen")),
+    ("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "xmma",
+                "nvjet", "sm90", "sm80")),
+    ("elementwise", ("elementwise", "vectorized", "triton", "reduce", "copy", "cast", "fill",
+                     "aten::mul", "aten::add", "aten::to", "aten::copy_", "foreach", "fused_adam",
+                     "aten::")),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, words in KINDS:
+        if any(word in lowered for word in words):
+            return kind
+    return "other"
+
+
+def device_time_by_kind(trainer: Trainer) -> dict:
+    """One more step, profiled: device time by kind of kernel (on the CPU: operators' own time),
+    the step's wall time, and the share of it the device was busy (kernel time over step time;
+    overlapping streams can push it past 1)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    by_kind: dict[str, float] = {}
+    launches = 0
+    for event in prof.key_averages():
+        if cuda:
+            seconds = getattr(event, "self_device_time_total", 0.0) / 1e6
+            if seconds <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            launches += event.count
+        else:
+            seconds = event.self_cpu_time_total / 1e6
+        by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0.0) + seconds
+    busy = sum(by_kind.values())
+    return {"seconds_by_kind": {k: round(v, 5) for k, v in sorted(by_kind.items())},
+            "share_by_kind": {k: round(v / busy, 4) for k, v in sorted(by_kind.items())} if busy else {},
+            "step_wall_s": round(wall, 5), "device_busy_share": round(busy / wall, 4) if cuda else None,
+            "kernel_launches": launches if cuda else None}
 
 
 if __name__ == "__main__":

@@ -47,3 +47,31 @@ def cli(capsys, monkeypatch):
         captured = capsys.readouterr()
         return code, captured.out, captured.err
     return run
+
+
+# pytest-xdist (`scripts/test` runs `-n 2 --dist loadgroup`): the modules below are spread over
+# both workers. They run gloo worlds (rendezvous through a file, no port), their own embedded
+# Redis on a free port, or nothing but this process. Every other module runs on one worker, one
+# after another: it starts Ray (whose defaults are machine-wide: the dashboard's port 8265, the
+# address file a bare `ray.init()` attaches to), network namespaces, or times heartbeats and
+# hangs against the machine's load. A new module is serial until it is listed here.
+PARALLEL_MODULES = frozenset({
+    "test_checkpoint", "test_checkpoint_cli", "test_checkpoint_layout", "test_ckpt_coverage",
+    "test_ckpt_device", "test_ckpt_lineage", "test_ckpt_skipped_steps", "test_commgroup_init",
+    "test_compile", "test_context_parallel", "test_data_at_scale", "test_data_bad_records",
+    "test_data_prepare", "test_data_verification", "test_dryrun", "test_dynamic_cp_solver",
+    "test_elastic_policy", "test_global_data", "test_global_data_worlds", "test_goodput_accounting",
+    "test_goodput_hooks", "test_goodput_ledger", "test_hf_interop", "test_job_view",
+    "test_memory_plan", "test_meta_init", "test_parallel_dims", "test_parallel_precision",
+    "test_pipeline", "test_pipeline_packing", "test_reshard_resume", "test_resharding",
+    "test_restart_history", "test_sharded_training", "test_startup_groups", "test_step_readings",
+    "test_token_training", "test_tokenizers", "test_topology", "test_trainer_data",
+    "test_trainer_loop", "test_trainer_model", "test_trainer_parallel", "test_user_view",
+    "test_worker_hooks", "test_worker_setup", "test_worlds",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] not in PARALLEL_MODULES:
+            item.add_marker(pytest.mark.xdist_group("serial"))

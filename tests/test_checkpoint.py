@@ -294,6 +294,30 @@ def test_a_failed_save_on_a_local_disk_leaves_no_partial_step(tmp_path):
     assert sorted(os.listdir(root)) == [layout.LATEST, layout.step_dir_name(1)]
 
 
+def test_a_save_over_a_crashed_saves_leftovers_keeps_its_own_metadata_and_drops_the_rest(tmp_path):
+    """A save killed between DCP's `.metadata` and the manifest leaves both behind in `step-N/`
+    (no manifest: not a checkpoint); the next save of step N writes into the same directory.
+    Its commit must keep the `.metadata` it wrote itself and remove what no rank reported."""
+    cfg = w.config(str(tmp_path / "ckpt"))
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    debris = f"{root}/{layout.step_dir_name(1)}"
+    fs.makedirs(debris, exist_ok=True)
+    fs.pipe_file(f"{debris}/{METADATA_FILE}", b"stale")
+    fs.pipe_file(f"{debris}/{data_file_name(5)}", b"a rank of another world")
+    with Trainer(cfg, progress=False) as trainer:
+        ckpt = Checkpointer(cfg)
+        trainer.train_step()
+        ckpt.save(trainer)
+        assert ckpt.flush().committed
+        ckpt.close()
+    assert layout.committed_steps(fs, root) == [1]
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(debris, detail=False)}
+    assert data_file_name(5) not in names and METADATA_FILE in names
+    manifest = read_manifest(fs, root, 1)
+    assert METADATA_FILE in manifest.files
+    assert all(c.status == "OK" for c in verify_shards(fs, root, 1, manifest))
+
+
 def test_a_save_due_while_one_is_in_flight_is_skipped_by_policy(quota_fs):
     cfg = w.config(quota_fs, checkpoint={"when_busy": "skip"})
     with Trainer(cfg, progress=False) as trainer:

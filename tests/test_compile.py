@@ -31,42 +31,40 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_a_compiled_job_trains_like_the_eager_one_without_recompiling():
-    """30 steps: the last losses within 1% of eager's; packed streams of a new length every
-    micro-batch recompile at most 3 times (dynamic shapes from the first call); the parameter
-    names stay the eager model's."""
-    with Trainer(_cfg("none"), "cpu", progress=False) as eager:
-        eager_losses = [m.loss for m in _run(eager)]
-        names = set(_weights(eager))
-    torch._dynamo.reset()
-    before = compile_counts()
-    with Trainer(_cfg("blocks"), "cpu", progress=False) as compiled:
-        metrics = _run(compiled)
-        assert set(_weights(compiled)) == names
-    assert compile_counts().compilations > before.compilations  # it did compile
-    recompiles = compile_counts().recompilations - before.recompilations
-    assert recompiles <= 3 and metrics[-1].recompiles == compile_counts().recompilations
-    last, want = sum(m.loss for m in metrics[-5:]) / 5, sum(eager_losses[-5:]) / 5
-    assert abs(last - want) / want < 0.01, (last, want)
-    assert eager_losses[0] - want > 1.0  # it learned
-
-
-def _run(trainer: Trainer) -> list:
+def _run(trainer: Trainer, steps: int | None = None) -> list:
     seen = []
-    trainer.train(on_step=seen.append)
+    trainer.train(steps=steps, on_step=seen.append)
     return seen
 
 
-def test_a_compiled_job_resumes_bitwise_from_its_own_state():
-    """Straight through 6 compiled steps, or 3, the state saved, dynamo's caches dropped (what a
-    new process starts with: its first compiled call sees step 4's shapes) and 3 more: the same
-    weights, bit for bit."""
-    cfg = _cfg("blocks", steps=6, grad_accum=2)
+def _losses_close(got: list, want: list, rel: float) -> None:
+    last, ref = sum(m.loss for m in got[-5:]) / 5, sum(m.loss for m in want[-5:]) / 5
+    assert abs(last - ref) / ref < rel, (last, ref)
+
+
+@pytest.mark.timeout(600)  # two cold compilations: about a minute on two idle cores, more when shared
+def test_a_compiled_job_trains_like_the_eager_one_and_resumes_bitwise():
+    """6 steps of 2 micro-batches (packed streams of a new length each): compiled blocks, under
+    selective activation checkpointing (the recompute compiled too), give eager's losses within
+    1% and recompile at most 3 times (dynamic shapes from the first call), the parameter names
+    stay the eager model's; and 3 steps, the state saved, dynamo's caches dropped (what a new
+    process starts with: its first compiled call sees step 4's shapes) and 3 more end on the
+    straight run's weights, bit for bit."""
+    cfg = _cfg("blocks", steps=6, grad_accum=2, activation_checkpointing="selective")
+    with Trainer(_cfg("none", steps=6, grad_accum=2), "cpu", progress=False) as eager:
+        eager_metrics = _run(eager)
+        names = set(_weights(eager))
     torch._dynamo.reset()
+    before = compile_counts()
     with Trainer(cfg, "cpu", progress=False) as straight:
-        straight.train()
+        metrics = _run(straight)
         want = _weights(straight)
-    torch._dynamo.reset()
+    assert set(want) == names
+    assert compile_counts().compilations > before.compilations  # it did compile
+    recompiles = compile_counts().recompilations - before.recompilations
+    assert recompiles <= 3 and metrics[-1].recompiles == compile_counts().recompilations
+    for got, ref in zip(metrics, eager_metrics, strict=True):
+        assert got.loss == pytest.approx(ref.loss, rel=1e-2)
     with Trainer(cfg, "cpu", progress=False) as first:
         first.train(steps=3)
         state = first.state_dict()
@@ -78,23 +76,38 @@ def test_a_compiled_job_resumes_bitwise_from_its_own_state():
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
+def test_a_compiled_job_trains_30_steps_like_the_eager_one_without_recompiling():
+    """The issue's target: after 30 steps the last losses within 1% of eager's, at most 3
+    recompilations, and it learned."""
+    with Trainer(_cfg("none"), "cpu", progress=False) as eager:
+        eager_metrics = _run(eager)
+    torch._dynamo.reset()
+    before = compile_counts()
+    with Trainer(_cfg("blocks"), "cpu", progress=False) as compiled:
+        metrics = _run(compiled)
+    assert compile_counts().recompilations - before.recompilations <= 3
+    _losses_close(metrics, eager_metrics, 0.01)
+    assert eager_metrics[0].loss - metrics[-1].loss > 1.0  # it learned
+
+
 def test_compile_mode_is_checked_where_it_is_set():
-    with pytest.raises(ConfigError, match="training.compile"):
+    with pytest.raises(ConfigError, match=r"training\.compile"):
         _cfg("everything")
-    with pytest.raises(ConfigError, match="training.compile"):
+    with pytest.raises(ConfigError, match=r"training\.compile"):
         config_from_dict({"job": {"name": "t"}, "cluster": {"device": "cpu", "workers_per_node": 2},
                           "parallelism": {"pp": 2}, "model": {"tie_embeddings": False},
                           "training": {"compile": "model", "grad_accum": 2}})
 
 
-# (parallelism, activation checkpointing, compile): each against one eager process
-COMPOSED = [({"fsdp": 2}, "selective", "blocks")]
-COMPOSED_SLOW = [({"tp": 2}, "full", "blocks"), ({"fsdp": 2}, "none", "model"),
-                 ({"dp": 2}, "full", "model")]
+# (parallelism, activation checkpointing, compile): each against one eager process. Each is a
+# 2-rank world compiling in both ranks (about 2 minutes on two cores): all slow.
+COMPOSED = [({"fsdp": 2}, "selective", "blocks"), ({"tp": 2}, "full", "blocks"),
+            ({"fsdp": 2}, "none", "model"), ({"dp": 2}, "full", "model")]
 
 
-@pytest.mark.parametrize("case", COMPOSED + [pytest.param(c, marks=pytest.mark.slow) for c in COMPOSED_SLOW],
-                         ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPOSED, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
 def test_compiled_blocks_compose_with_sharding_and_checkpointing(tmp_path, case):
     parallelism, ac, mode = case
     out = run_world(w.compiled_step_matches_one_process, 2, tmp_path, args=(parallelism, ac, mode),

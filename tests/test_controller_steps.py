@@ -430,3 +430,36 @@ def test_redis_gone_past_the_patience_is_a_clear_error(tmp_path):
     server.stop()  # and it does not come back
     with pytest.raises(StoreUnavailable, match=r"store_patience_s .* Start the controller again"):
         c.run()
+
+
+def test_partial_saves_are_swept_before_every_attempt_is_placed(rig, tmp_path):
+    """Issue 39: a save a crash left without its manifest is removed while no worker is alive
+    (before the first attempt, and again before a restart's), so a disk it filled is freed
+    before anyone writes; committed steps stay."""
+    import fsspec
+
+    from longrun.checkpoint import layout
+
+    make, launcher, _, _ = rig
+    cfg = job("steps-sweep", str(tmp_path))
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+
+    def leave(step: int, committed: bool) -> None:
+        fs.makedirs(f"{root}/{layout.step_dir_name(step)}", exist_ok=True)
+        fs.pipe_file(f"{root}/{layout.step_dir_name(step)}/__0_0.distcp", b"half")
+        if committed:
+            fs.pipe_file(f"{root}/{layout.step_dir_name(step)}/{layout.MANIFEST}", b"{}")
+
+    leave(2, committed=True)
+    leave(3, committed=False)
+    c = make(cfg)
+    assert c.step() is JobState.PLACING
+    assert layout.uncommitted_dirs(fs, root) == [] and layout.committed_steps(fs, root) == [2]
+    for want in (JobState.DIAGNOSING, JobState.RENDEZVOUS, JobState.RUNNING):
+        assert c.step() is want
+    leave(5, committed=False)  # the attempt's workers die mid-save
+    launcher.groups[0].script.append([RankEnded(1, kind="dead", detail="rank 1's process died")])
+    assert c.step() is JobState.RECOVERING
+    assert layout.uncommitted_dirs(fs, root) == [f"{root}/{layout.step_dir_name(5)}"]
+    assert c.step() is JobState.PLACING
+    assert layout.uncommitted_dirs(fs, root) == [] and layout.committed_steps(fs, root) == [2]

@@ -19,7 +19,8 @@ TINY = "job:\n  name: tiny\n"
 # ~350 bytes; nine levels of nine references: 9^9 (~4 x 10^8) strings to whoever expands it.
 BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(
     f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
-LEFT_TO_THE_CHECKPOINT_WORK = {"checkpoint.memory_interval_steps"}  # issue 42 items 3, 7, 8, 11
+# Being reworked by the memory-snapshot work (issue 39) at the same time: bounded there.
+LEFT_TO_THE_CHECKPOINT_WORK = {"checkpoint.memory_interval_steps"}
 # What an entry of a list of sections needs besides the number tried.
 ENTRY = {"mix": {"path": "d"}, "faults": {"rank": 0, "step": 0, "kind": "kill"}}
 
@@ -42,10 +43,12 @@ def _longrun(*args, cwd) -> subprocess.CompletedProcess:
      "health.heartbeat_timeout_s: Input should be less than or equal to 604800"),
     (TINY + "x: " + "[" * 100000 + "]" * 100000 + "\n", "invalid YAML: nested too deeply"),
     (TINY + "# " + "x" * (1 << 20) + "\n", "more than a config may hold"),
-], ids=["alias-bomb", "long-integer", "huge-duration", "deep-nesting", "huge-file"])
+    # Fewer characters than the cap, more bytes: never parsed cut (the cut fell in a comment).
+    (TINY + "# " + "\u00e9" * 600_000 + "\n", "more than a config may hold"),
+], ids=["alias-bomb", "long-integer", "huge-duration", "deep-nesting", "huge-file", "huge-file-bytes"])
 def test_a_hostile_config_is_one_problem_naming_the_place(tmp_path, text, problem):
     path = tmp_path / "job.yaml"
-    path.write_text(text)
+    path.write_text(text, encoding="utf-8")
     for command in ("validate", "show"):
         out = _longrun("config", command, path, cwd=tmp_path)
         assert out.returncode == 2, out.stderr[-3000:]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import redis
@@ -98,6 +100,20 @@ def test_redis_url_needs_a_running_server():
         _ = EmbeddedRedis().url
 
 
+def _submission_status(port: int, token: str) -> int | None:
+    """The HTTP status of a job submission to 127.0.0.1:`port`; None when nothing listens."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/jobs/", data=b'{"entrypoint": "id"}',
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except urllib.error.URLError:
+        return None
+
+
 @pytest.mark.parametrize("token_file", [False, True], ids=["plain", "with-a-ray-token-in-home"])
 def test_ray_head_on_loopback_runs_tasks_and_stops_cleanly(token_file, tmp_path, monkeypatch):
     if token_file:
@@ -127,6 +143,9 @@ def test_ray_head_on_loopback_runs_tasks_and_stops_cleanly(token_file, tmp_path,
                              env={**os.environ, **ray_env})
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[-1] == "127.0.0.1"
+        # Without include_dashboard (`longrun run` without --ray-dashboard) there is no Jobs API:
+        # Ray still runs its dashboard process, which accepts no job, even with the head's token.
+        assert _submission_status(head.dashboard_port, head.auth_token) in (None, 404)
     assert _gone(leader)
     assert not pids_in_session(leader)
     assert not temp_dir.exists()

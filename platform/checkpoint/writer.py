@@ -277,7 +277,8 @@ class CheckpointWriter:
                 f"{len(wrong)} file(s) the ranks reported written are not in {step_dir} as written: "
                 f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. checkpoint.dir must be one "
                 "directory every node shares")
-        return set(listed) - set(files) - {MANIFEST}
+        # `.metadata` is not reported by a rank: the coordinator writes it next, over any old one.
+        return set(listed) - set(files) - {MANIFEST, METADATA_FILE}
 
     def _commit(self, job: SaveJob, step_dir: str, name: str) -> None:
         if job.manifest is None:

@@ -39,6 +39,9 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> JobConfig:
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)  # never more than a config may hold
+        if len(data) > MAX_CONFIG_BYTES:  # in bytes: the text of a cut file must never be parsed
+            raise YamlTextError(f"the file is more than a config may hold ({MAX_CONFIG_BYTES:,} "
+                                "bytes); a job config is a few KiB")
         raw = parse_yaml(data.decode("utf-8")) or {}
     except OSError as exc:
         raise ConfigError(source, [("", f"cannot read the config file: {exc.strerror or exc}")]) from None

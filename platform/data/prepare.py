@@ -178,8 +178,9 @@ def _encode(run: PrepareRun, out: Path, docs: Iterator[Document], pool: EncoderP
                 writer.abort()
             raise
     manifest["complete"] = True
-    manifest["skipped"] = {"binary_files": stats.binary_files, "empty_documents": stats.empty_documents,
-                           "special_files": stats.special_files}
+    manifest["skipped"] = {"binary_files": stats.binary_files, "empty_documents": stats.empty_documents}
+    if stats.special_files:  # FIFOs, sockets, devices in a walked directory: named only when met
+        manifest["skipped"]["special_files"] = stats.special_files
     manifest["replaced"] = {"characters": stats.replaced_characters, "documents": stats.replaced_documents,
                             "first": stats.first_replaced}
     write_manifest(out, manifest)

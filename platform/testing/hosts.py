@@ -25,11 +25,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longrun.services.ray_head import AUTH_DEFAULT
-
 SHARED_DIR = "/mnt/longrun-hosts/shared"  # the same directory on every host
 NODE_DIR = "/mnt/longrun-hosts/node"  # a directory of each host's own
 KEEP_DIR = "/mnt/longrun-hosts/keep"  # staging mountpoints for what a host's own /tmp must keep
+# A test cluster on a private bridge, reached by nothing else: without Ray's token authentication
+# (which a ~/.ray/auth_token left by a local `ray.init()` would turn on), unless the environment
+# chose a mode. `longrun run`'s embedded head is another matter: it always demands a token of its
+# own (services/ray_head.py).
+AUTH_DEFAULT = {"RAY_AUTH_MODE": "disabled"}
 
 
 def python_without_longrun(env_dir: Path) -> Path:
