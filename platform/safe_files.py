@@ -80,6 +80,21 @@ def replace_file(path: str | os.PathLike, data: bytes | str, *, sync: bool = Tru
         raise
 
 
+def remove_stale_temps(directory: str | os.PathLike) -> list[str]:
+    """Remove what `replace_file` left in `directory` when its process was killed between
+    writing and renaming (`.NAME.XXXXXXXX.tmp`). Only for a directory no one else is writing
+    now (its writer's lock held); returns the names removed."""
+    removed = []
+    for entry in os.scandir(directory):
+        name = entry.name
+        if name.startswith(".") and name.endswith(".tmp") and name.count(".") >= 3 and \
+                entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(name)
+    return removed
+
+
 def _open_regular(path: str | os.PathLike, flags: int, mode: int) -> int:
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)

@@ -50,7 +50,7 @@ def record_gradients(trainer) -> list[dict]:
     parameter's full (gathered) gradient and weight, the grad norm the step reports, and how
     many idle micro-batches this rank had (numpy and plain numbers, to cross a pipe)."""
     steps: list[dict] = []
-    clip, forward_backward = trainer._clip_gradients, trainer.forward_backward
+    clip, forward_backward = trainer._clip_gradients, trainer.forward_backward_on_device
 
     def counting_idle(work):
         steps.append({"idle": sum(mb.idle for mb in work.micro_batches)})
@@ -64,7 +64,8 @@ def record_gradients(trainer) -> list[dict]:
         steps[-1]["grad_norm"] = float(norm)
         return norm
 
-    trainer.forward_backward, trainer._clip_gradients = counting_idle, recording
+    # The step's own entry point (`forward_backward` is its synchronising wrapper for callers).
+    trainer.forward_backward_on_device, trainer._clip_gradients = counting_idle, recording
     return steps
 
 

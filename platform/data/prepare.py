@@ -58,6 +58,7 @@ from longrun.data.sources import (
 )
 from longrun.data.tokenizers import load_tokenizer, tokenizer_identity
 from longrun.data.verification import shard_stamps, write_mark
+from longrun.safe_files import remove_stale_temps
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
 BATCH_CHARS = 1 << 18  # text per batch sent to a worker: large enough to amortise the pipe
@@ -119,6 +120,7 @@ def run_prepare(inputs: Sequence[str], tokenizer_spec: str | None, out_dir: str,
              "options": {"text_column": text_column, "shard_tokens": shard_tokens,
                          "shard_documents": shard_documents, "patterns": list(patterns)}}
     with locked_out_dir(out):
+        remove_stale_temps(out)  # a run killed mid-write left them; the lock says none is writing
         manifest, redone = _start_or_resume(out, fresh, getattr(tok, "path", "byte"))
         run = PrepareRun(manifest, resumed_shards=len(manifest["shards"]), redone_shards=redone,
                          stats=stats)
