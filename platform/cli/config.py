@@ -45,7 +45,13 @@ def cmd_config_validate(args) -> int:
 
 
 def cmd_config_show(args) -> int:
-    out.print(load(args).to_yaml(), end="", markup=False, highlight=False)
+    from longrun.trainer.schedule import describe
+
+    cfg = load(args)
+    out.print(cfg.to_yaml(), end="", markup=False, highlight=False)
+    # A YAML comment, so the output still loads as the config it shows.
+    out.print(f"# learning rate: {describe(cfg.training)}", markup=False, highlight=False,
+              soft_wrap=True)
     return 0
 
 

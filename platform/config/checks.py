@@ -117,6 +117,11 @@ def _warmup_within_the_run(cfg: JobConfig, dims: ParallelDims) -> Problems:
     if tr.warmup_steps > tr.steps:
         yield "training.warmup_steps", (f"warmup ({tr.warmup_steps}) is longer than the run "
                                         f"(training.steps = {tr.steps})")
+    if tr.lr_schedule == "wsd" and tr.decay_steps is not None and \
+            tr.warmup_steps + tr.decay_steps > tr.steps:
+        yield "training.decay_steps", (
+            f"warmup ({tr.warmup_steps}) and decay ({tr.decay_steps}) steps are longer than the run "
+            f"(training.steps = {tr.steps}); lower decay_steps or leave it null for decay_fraction")
 
 
 def _faults_name_real_ranks(cfg: JobConfig, dims: ParallelDims) -> Problems:

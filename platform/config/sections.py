@@ -314,6 +314,16 @@ class TrainingSection(Section):
     lr: FinitePositive = 3e-4
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     warmup_steps: NonNegativeCount = 10
+    lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        "cosine", description="After warmup: cosine or linear decay to lr x min_lr_ratio at the "
+        "last step; wsd (warmup-stable-decay): the peak until the last decay_steps steps, then a "
+        "linear decay to lr x min_lr_ratio (a run extended by raising steps before its decay "
+        "began goes on at the peak, without a jump); constant: the peak to the end.")
+    decay_steps: Count | None = Field(
+        None, description="wsd: how many of the last steps decay; null: decay_fraction of the "
+        "steps after warmup.")
+    decay_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.2, description="wsd with decay_steps null: the share of the steps after warmup that decay.")
     weight_decay: FiniteNonNegative = 0.1
     betas: tuple[Annotated[float, Field(gt=0, lt=1)], Annotated[float, Field(gt=0, lt=1)]] = (0.9, 0.95)
     grad_clip: FiniteNonNegative = Field(1.0, description="Max global grad norm; 0 disables clipping.")
