@@ -1,5 +1,6 @@
 """The learning-rate schedules a run can choose (`training.lr_schedule`: issue 43): their
-shapes, WSD's extension without a jump, through the checkpointed scheduler, and `config show`."""
+shapes, WSD's extension without a jump, through the checkpointed scheduler, and `config show`
+(the scheduler following each shape: tests/test_trainer_loop.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
 
 from longrun.config import ConfigError, config_from_dict
 from longrun.config.sections import TrainingSection
-from longrun.trainer import Trainer, build_scheduler, lr_multiplier, lr_schedule
+from longrun.trainer import Trainer, lr_multiplier, lr_schedule
 from longrun.trainer.schedule import describe, shape_of
 
 
@@ -91,16 +91,6 @@ def test_a_resumed_job_with_more_steps_continues_the_stable_phase_from_its_check
     assert [m.lr for m in seen] == pytest.approx([lr(m.step - 1) for m in seen])
     assert [m.lr for m in seen if m.step <= 37] == [1e-2] * 32  # no jump: stable until step 37
     assert seen[-1].lr == pytest.approx(1e-3)  # and the floor at the last step
-
-
-def test_the_scheduler_follows_the_shape():
-    t = _t(lr_schedule="wsd", steps=30, warmup_steps=4, decay_steps=6)
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
-    sched, lr = build_scheduler(opt, t), lr_schedule(t)
-    for step in range(35):
-        assert opt.param_groups[0]["lr"] == pytest.approx(lr(step))
-        opt.step()
-        sched.step()
 
 
 def test_a_decay_longer_than_the_run_is_refused_naming_the_field():

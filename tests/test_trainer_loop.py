@@ -56,8 +56,9 @@ def test_schedule_warmup_peak_and_floor():
     assert lr_schedule(TrainingSection(steps=5, lr=1.0, warmup_steps=0))(0) == 1.0
 
 
-def test_lambda_lr_factory_follows_the_function():
-    t = TrainingSection(steps=20, lr=2e-3, warmup_steps=4, min_lr_ratio=0.0)
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd", "constant"])
+def test_lambda_lr_factory_follows_the_function(kind):
+    t = TrainingSection(steps=20, lr=2e-3, warmup_steps=4, min_lr_ratio=0.0, lr_schedule=kind, decay_steps=6)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
     sched, lr = build_scheduler(opt, t), lr_schedule(t)
     for step in range(25):
