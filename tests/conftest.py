@@ -49,12 +49,13 @@ def cli(capsys, monkeypatch):
     return run
 
 
-# pytest-xdist (`scripts/test` runs `-n 2 --dist loadgroup`): the modules below are spread over
-# both workers. They run gloo worlds (rendezvous through a file, no port), their own embedded
-# Redis on a free port, or nothing but this process. Every other module runs on one worker, one
-# after another: it starts Ray (whose defaults are machine-wide: the dashboard's port 8265, the
-# address file a bare `ray.init()` attaches to), network namespaces, or times heartbeats and
-# hangs against the machine's load. A new module is serial until it is listed here.
+# `scripts/test` runs the suite in two phases. First the modules below, spread over two
+# pytest-xdist workers: they run gloo worlds (rendezvous through a file, no port), their own
+# embedded Redis on a free port, or nothing but this process, so two of them may share the
+# machine. Then every other module, marked `alone`, one at a time with nothing beside it: they
+# start Ray (whose defaults are machine-wide: the dashboard's port 8265, the address file a bare
+# `ray.init()` attaches to), network namespaces, or time heartbeats, hangs and restarts against
+# the machine's load, which a neighbour would skew. A new module is `alone` until it is listed here.
 PARALLEL_MODULES = frozenset({
     "test_checkpoint", "test_checkpoint_cli", "test_checkpoint_layout", "test_ckpt_coverage",
     "test_ckpt_device", "test_ckpt_lineage", "test_ckpt_skipped_steps", "test_commgroup_init",
@@ -74,4 +75,4 @@ PARALLEL_MODULES = frozenset({
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] not in PARALLEL_MODULES:
-            item.add_marker(pytest.mark.xdist_group("serial"))
+            item.add_marker(pytest.mark.alone)
