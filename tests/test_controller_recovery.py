@@ -122,6 +122,21 @@ def _wait_for_step(redis_client, job: str, step: int, timeout: float = 300) -> N
         time.sleep(0.1)
 
 
+def _wait_for_commit(checkpoint_dir: str, step: int, timeout: float = 300) -> None:
+    import time
+
+    import fsspec
+
+    from longrun.checkpoint.layout import committed_steps
+
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+    deadline = time.monotonic() + timeout
+    while step not in committed_steps(fs, root):
+        assert time.monotonic() < deadline, f"step {step} was never committed under {checkpoint_dir}"
+        time.sleep(0.1)
+        fs.invalidate_cache()
+
+
 def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redis_server, redis_client,
                                                          tmp_path):
     import subprocess
@@ -134,6 +149,9 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
                               redis_server.url])
     try:
         _wait_for_step(redis_client, cfg.job.name, 5)
+        # Step 4's save commits in the background, after step 5 may have started: kill the
+        # controller once it is committed, which is what the resume below must not lose.
+        _wait_for_commit(cfg.checkpoint_dir, 4)
     finally:
         first.kill()  # the controller dies; Ray reaps the actors it owned
         first.wait()
