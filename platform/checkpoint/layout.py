@@ -32,6 +32,8 @@ from collections.abc import Callable, Collection
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from longrun.checkpoint.stored import read_stored
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8,})(?:\.([1-9]\d*))?$")  # step-N, or step-N.R (a revision)
@@ -151,10 +153,13 @@ def replace_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 
 
 def read_latest(fs: fsspec.AbstractFileSystem, root: str) -> int | None:
-    path = f"{root}/{LATEST}"
-    if not fs.exists(path):
+    """The step `latest` names (None: no such file, or not a step's name); UnsafePath when a
+    link or a FIFO stands in its place (`stored.py`)."""
+    try:
+        raw = read_stored(fs, f"{root}/{LATEST}")
+    except FileNotFoundError:
         return None
-    return parse_step(fs.cat_file(path).decode().strip())
+    return parse_step(raw.decode(errors="replace").strip())
 
 
 def write_latest(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str | None = None) -> None:
