@@ -14,8 +14,9 @@ The manifest is JSON, written last (it is what makes a step exist: `layout.py`):
 with its checksum and size (and, for a DCP file, each record's place and checksum, so a reader
 that reads only some byte ranges still verifies what it reads), the step, the config
 fingerprint, the model the tensors fit, the parallel layout they were written at (for
-information: any layout restores them) and the lineage (which loss-spike rollbacks it came
-after, `lineage.py`).
+information: any layout restores them), the job's tokenizer and data and training settings (a
+resume that changes them is refused unless accepted: `config/identity.py`) and the lineage
+(which loss-spike rollbacks it came after, `lineage.py`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class Manifest:
     # The tokenizer the model was trained with (config/vocabulary.py `tokenizer_record`: its
     # path or 'byte', and sha256), so an export can ship it; None in older checkpoints.
     tokenizer: dict[str, Any] | None = None
+    # The job's data and training settings (config/identity.py `job_identity`), which a resume
+    # must not change unsaid; None in checkpoints from before they were recorded.
+    identity: dict[str, Any] | None = None
     # How many loss-spike rollbacks had fenced checkpoints off when the attempt that wrote it
     # started (`lineage.py`): a fence abandons the checkpoints at or after its step written at
     # an older lineage. 0 in checkpoints from before fences existed.

@@ -74,6 +74,7 @@ class Restored:
     skipped: list[tuple[int, str]]  # newer steps that could not be used, and why
     written_by: dict[str, int] | None = None  # the layout that wrote it, when not this one
     bytes_read: int = 0  # tensor bytes this rank read from storage
+    manifest: Manifest | None = None  # the restored step's (what job wrote it)
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> Manifest:
@@ -327,7 +328,7 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
             log.info("checkpoint step %d was written at %s; resharded to %s", step, written, layout)
         else:
             written = None
-        return Restored(step, state, skipped, written, found.bytes_read)
+        return Restored(step, state, skipped, written, found.bytes_read, found.manifest)
     if skipped:
         log.warning("no usable checkpoint under %s: %d committed step(s) were unusable", root, len(skipped))
     return None

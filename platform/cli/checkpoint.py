@@ -141,6 +141,8 @@ def cmd_checkpoint_inspect(args) -> int:
                   + ", ".join(sorted(m.files))),
     ]))
     out.print(_key_values([(k, json.dumps(v)) for k, v in m.model.items()], title="model"))
+    if m.identity is not None:  # what a resume must not change unsaid (config/identity.py)
+        out.print(_key_values([(k, json.dumps(v)) for k, v in m.identity.items()], title="trained with"))
     _print_weights(result)
     if result.checks is not None:
         _print_checks(result)
