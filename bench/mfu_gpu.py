@@ -42,8 +42,9 @@ Issue 40's switches (each works with `--device cpu --tiny` too):
                                      issue 40); default: FSDP2 holds bf16 copies of the fp32
                                      master weights on a one-rank mesh (parallel/precision.py)
     --profile                        device time of one profiled step by kind (matmul,
-                                     elementwise, attention, communication, other) and the
-                                     share of the step the device was busy
+                                     elementwise, attention, communication, other), the
+                                     share of the step the device was busy, and the 12
+                                     heaviest kernels
 
 Steps run through `Trainer.train` (numbers read one step late, no host synchronisation inside a
 step), so the step time is the device's, between CUDA events.
@@ -264,6 +265,7 @@ def device_time_by_kind(trainer: Trainer) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - started
     by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     launches = 0
     for event in prof.key_averages():
         if cuda:
@@ -274,11 +276,16 @@ def device_time_by_kind(trainer: Trainer) -> dict:
         else:
             seconds = event.self_cpu_time_total / 1e6
         by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0.0) + seconds
+        by_name[event.key] = by_name.get(event.key, 0.0) + seconds
     busy = sum(by_kind.values())
     return {"seconds_by_kind": {k: round(v, 5) for k, v in sorted(by_kind.items())},
             "share_by_kind": {k: round(v / busy, 4) for k, v in sorted(by_kind.items())} if busy else {},
             "step_wall_s": round(wall, 5), "device_busy_share": round(busy / wall, 4) if cuda else None,
-            "kernel_launches": launches if cuda else None}
+            "kernel_launches": launches if cuda else None,
+            # where the time goes, for the next change: the 12 heaviest kernels (operators on
+            # the CPU), names cut to 90 characters
+            "top": [[name[:90], round(seconds, 5), kind_of(name)] for name, seconds in
+                    sorted(by_name.items(), key=lambda item: -item[1])[:12]]}
 
 
 if __name__ == "__main__":

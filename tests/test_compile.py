@@ -98,12 +98,15 @@ def test_compile_mode_is_checked_where_it_is_set():
         config_from_dict({"job": {"name": "t"}, "cluster": {"device": "cpu", "workers_per_node": 2},
                           "parallelism": {"pp": 2}, "model": {"tie_embeddings": False},
                           "training": {"compile": "model", "grad_accum": 2}})
+    with pytest.raises(ConfigError, match=r"training\.compile: 'model' with activation_checkpointing 'full'"):
+        _cfg("model", activation_checkpointing="full")
+    assert _cfg("blocks", activation_checkpointing="full").training.compile == "blocks"
 
 
 # (parallelism, activation checkpointing, compile): each against one eager process. Each is a
 # 2-rank world compiling in both ranks (about 2 minutes on two cores): all slow.
 COMPOSED = [({"fsdp": 2}, "selective", "blocks"), ({"tp": 2}, "full", "blocks"),
-            ({"fsdp": 2}, "none", "model"), ({"dp": 2}, "full", "model")]
+            ({"fsdp": 2}, "none", "model"), ({"dp": 2}, "none", "model")]
 
 
 @pytest.mark.slow

@@ -35,3 +35,15 @@ def test_a_process_alone_computes_in_bf16_parameters_and_keeps_fp32_masters(tmp_
     assert losses[0] == pytest.approx(autocast_losses[0], rel=2e-2)
     assert losses[-1] < losses[0]  # it trains
     assert losses == pytest.approx(autocast_losses, rel=5e-2)
+
+
+def test_alone_the_gradients_are_reduced_once_per_step_with_the_same_weights(tmp_path):
+    """Alone, FSDP2 has nothing to exchange: micro-batches before a step's last keep their bf16
+    weights gathered and their gradients unsharded, and the last reduces once. Three steps of
+    three micro-batches end with the weights of reducing after every micro-batch, bit for bit,
+    with a third of the reductions."""
+    [(_, same_names, differ, collectives)] = run_world(w.one_rank_fsdp_deferral, 1, tmp_path, timeout=300)
+    assert same_names and differ == []
+    units = collectives[1]["reduce"] // 9  # FSDP units reduced per micro-batch without deferral
+    assert units >= 2
+    assert collectives[0]["reduce"] == 3 * units

@@ -155,6 +155,19 @@ def _min_nodes_reachable(cfg: JobConfig, dims: ParallelDims) -> Problems:
         f"recovery.min_nodes to {fewest} (the fewest nodes this layout can shrink to) or leave it unset")
 
 
+def _whole_model_compile_without_checkpointing(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    tr = cfg.training
+    if tr.compile == "model" and tr.activation_checkpointing != "none":
+        # Seen with packed batches of changing length (issue 40's bench, on the CPU): the
+        # recompute inside the compiled whole model ran another compiled graph than the forward
+        # and torch.utils.checkpoint stopped the step ("Recomputed values ... have different
+        # metadata"; pytorch/pytorch#166926). Compiled blocks checkpoint each block whole.
+        yield "training.compile", (
+            f"'model' with activation_checkpointing {tr.activation_checkpointing!r} can recompute "
+            "through a different compiled graph than the forward and stop the step; use compile: "
+            "blocks (each block compiled with its checkpoint) or activation_checkpointing: none")
+
+
 def _pipeline_runs(cfg: JobConfig, dims: ParallelDims) -> Problems:
     par, tr, m = cfg.parallelism, cfg.training, cfg.model
     multi = tr.pp_schedule in MULTI_STAGE
@@ -231,6 +244,7 @@ CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _faults_name_real_ranks,
     _min_nodes_reachable,
     _pipeline_runs,
+    _whole_model_compile_without_checkpointing,
 )
 
 
