@@ -128,6 +128,14 @@ def test_config_plan_shows_each_pipeline_rank_and_the_bubble(repo_root, tmp_path
     assert "bubble: 8.6% of each step idle per rank" in text and "fits" in text
 
 
+def test_config_plan_of_a_small_job_reads_in_megabytes(repo_root, tmp_path):
+    out = longrun("config", "plan", repo_root / "examples" / "tiny.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "(1 rank: dp 1" in text and "┃ MB ┃" in text
+    assert "│ parameters │ 0.00 │" not in text and "│ parameters │ 1.71 │" in text
+
+
 def test_config_plan_prints_the_memory_per_rank_and_names_the_knob(repo_root, tmp_path):
     example = repo_root / "examples" / "llama-8b-64gpu.yaml"
     out = longrun("config", "plan", example, cwd=tmp_path)

@@ -188,3 +188,20 @@ def test_credentials_from_the_environment():
         credential_from_env({"GRAFANA_USER": "u"})
     assert folder_uid("Training Jobs / prod") == "training-jobs-prod"
     assert folder_uid("!!!") == "longrun"
+
+
+def test_push_finds_the_grafana_in_the_jobs_config(grafana_env, tmp_path, capsys):
+    """`observability.grafana_url` is where a job's config names its Grafana: `--config` reads it
+    (the flag and $GRAFANA_URL, when given, come first)."""
+    fake = FakeGrafana(folders=[{"id": 1, "uid": "longrun", "title": "longrun"}],
+                       datasources=[{"uid": "longrun-prometheus", "type": "prometheus"}])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"job: {{name: j}}\nobservability: {{grafana_url: '{fake.url}'}}\n")
+    try:
+        assert main(["dashboards", "push", "--config", str(job)]) == 0
+    finally:
+        fake.close()
+    assert fake.calls().count("POST /api/dashboards/db") == len(UIDS)
+    job.write_text("job: {name: j}\n")
+    assert main(["dashboards", "push", "--config", str(job)]) == 1
+    assert "observability.grafana_url" in capsys.readouterr().err

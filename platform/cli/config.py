@@ -15,7 +15,7 @@ from longrun.parallel.schedules import stages_per_rank
 
 
 def add_parsers(sub) -> None:
-    cfg = sub.add_parser("config", formatter_class=RichHelpFormatter, help="validate or show a job config")
+    cfg = sub.add_parser("config", formatter_class=RichHelpFormatter, help="validate, show or plan a job config (memory per rank)")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     validate = cfg_sub.add_parser("validate", formatter_class=RichHelpFormatter,
                                   help="check a config; exit 2 with every problem listed if invalid")
@@ -106,13 +106,16 @@ def cmd_config_plan(args) -> int:
 
     plan, dims = plan_for(cfg), cfg.dims
     fullest = f" (the fullest pipeline rank: {plan.pp_rank})" if plan.pp_rank is not None else ""
+    ranks = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
     table = Table(title=f"memory per rank{fullest}: {cfg.job.name}, layout {dims.layout_name} "
-                  f"({cfg.world_size} ranks: dp {dims.dp} x fsdp {dims.fsdp} x pp {dims.pp} x cp {dims.cp} "
+                  f"({ranks}: dp {dims.dp} x fsdp {dims.fsdp} x pp {dims.pp} x cp {dims.cp} "
                   f"x tp {dims.tp}), activation checkpointing {cfg.training.activation_checkpointing}")
+    # A small job's parts are megabytes: in GB with two decimals they all read 0.00.
+    unit, scale = ("GB", GB) if plan.total_bytes >= GB else ("MB", GB / 1000)
     table.add_column("part")
-    table.add_column("GB", justify="right")
+    table.add_column(unit, justify="right")
     for name, nbytes in plan.rows():
-        table.add_row(name, f"{nbytes / GB:.2f}", style="bold" if name == "total" else None)
+        table.add_row(name, f"{nbytes / scale:.2f}", style="bold" if name == "total" else None)
     out.print(table)
     if dims.pp > 1:
         _print_stages(cfg)

@@ -31,7 +31,10 @@ def add_parsers(sub) -> None:
                                "folder and a Prometheus datasource when missing. Credentials from the "
                                "environment: GRAFANA_TOKEN, or GRAFANA_USER and GRAFANA_PASSWORD.")
     push.add_argument("--grafana-url", default=os.environ.get("GRAFANA_URL"),
-                      help="e.g. http://127.0.0.1:3000 (default: $GRAFANA_URL)")
+                      help="e.g. http://127.0.0.1:3000 (default: $GRAFANA_URL, else the job's "
+                      "observability.grafana_url with --config)")
+    push.add_argument("--config", type=Path, default=None, metavar="JOB.yaml",
+                      help="a job config whose observability.grafana_url names the Grafana")
     push.add_argument("--folder", default="longrun", help="Grafana folder title (default: longrun)")
     push.add_argument("--prometheus-url", default=None,
                       help="Prometheus as Grafana's server reaches it; needed only to create the datasource")
@@ -50,8 +53,13 @@ def cmd_dashboards_render(args) -> int:
 def cmd_dashboards_push(args) -> int:
     from longrun.observability.grafana import GrafanaPushError, credential_from_env, push_dashboards
 
+    if not args.grafana_url and args.config is not None:
+        from longrun.config import load_config
+
+        args.grafana_url = load_config(args.config).observability.grafana_url
     if not args.grafana_url:
-        raise GrafanaPushError("no Grafana given: pass --grafana-url http://HOST:3000 or set GRAFANA_URL")
+        raise GrafanaPushError("no Grafana given: pass --grafana-url http://HOST:3000, set GRAFANA_URL, "
+                               "or name a job config whose observability.grafana_url is set (--config)")
     result = push_dashboards(args.grafana_url, folder=args.folder, prometheus_url=args.prometheus_url,
                              credential=credential_from_env())
     if result.folder_created:

@@ -544,7 +544,9 @@ class ObservabilitySection(Section):
     linger_s: NonNegativeDuration = Field(
         30.0, description="After the job ends FAILED, how long the controller keeps serving /metrics "
         "(if anything scraped it) so Prometheus records the final state and the alert fires.")
-    grafana_url: str | None = None
+    grafana_url: str | None = Field(
+        None, description="The Grafana that `longrun dashboards push --config JOB.yaml` uploads the "
+        "dashboards to (--grafana-url and $GRAFANA_URL come first).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tensorboard: bool = Field(
         True, description="The controller writes TensorBoard event files to <output_dir>/<job>/tb/: "
