@@ -15,7 +15,8 @@ from longrun.parallel.schedules import stages_per_rank
 
 
 def add_parsers(sub) -> None:
-    cfg = sub.add_parser("config", formatter_class=RichHelpFormatter, help="validate, show or plan a job config (memory per rank)")
+    cfg = sub.add_parser("config", formatter_class=RichHelpFormatter,
+                         help="validate, show or plan a job config (memory per rank)")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     validate = cfg_sub.add_parser("validate", formatter_class=RichHelpFormatter,
                                   help="check a config; exit 2 with every problem listed if invalid")
