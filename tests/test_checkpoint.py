@@ -451,3 +451,61 @@ def test_a_restore_that_finds_nothing_usable_leaves_a_fresh_optimizer_fresh(two_
     with Trainer(cfg, progress=False) as trainer:
         assert Checkpointer(cfg).restore(trainer) is None
         assert not trainer.optimizer.state
+
+
+# --- a worker's restore: straight into its unset state -----------------------------------------
+
+
+def _worker_trainer(cfg):
+    """What a worker restores into: its pieces built, no weights set yet (`worker/setup.py`)."""
+    return Trainer(cfg, progress=False, init_weights=False)
+
+
+def test_a_workers_restore_reads_the_records_into_its_state_and_copies_none(two_checkpoints, monkeypatch):
+    """Same layout saved and restored: every record is one whole live tensor, so a worker's
+    restore reads each into place (no new buffer, no copy after) and ends with the weights
+    of the newest step. A trainer that holds set weights still stages every read."""
+    from longrun.checkpoint import restore as restore_module
+
+    cfg, _ = two_checkpoints
+    want, _ = _train(cfg)  # the same 6 steps again: the newest checkpoint's weights
+    seen = []
+
+    def watched(loaded, reads, wanted):
+        targets = {w.buffer.data_ptr() for w in wanted}
+        seen.append((sum(t.data_ptr() in targets for t in loaded.values()), len(loaded)))
+        return apply_reads(loaded, reads, wanted)
+
+    apply_reads = restore_module.apply_reads
+    monkeypatch.setattr(restore_module, "apply_reads", watched)
+    with _worker_trainer(cfg) as trainer:
+        assert Checkpointer(cfg).restore(trainer).step == 6
+        in_place, records = seen.pop()
+        assert records > 0 and in_place == records
+        assert all(torch.equal(v, want[k]) for k, v in w.weights(trainer).items())
+    with Trainer(cfg, progress=False) as trainer:  # set weights: staged, copied after agreement
+        assert Checkpointer(cfg).restore(trainer).step == 6
+        in_place, records = seen.pop()
+        assert records > 0 and in_place == 0
+
+
+def test_a_workers_restore_that_meets_a_corrupt_step_ends_with_the_previous_one_bitwise(two_checkpoints):
+    """Read in place, a step whose last record fails its checksum has already written the
+    records before it into the live state; the fallback step overwrites every one of them."""
+    cfg, root = two_checkpoints
+    want = {}
+    with Trainer(cfg, progress=False) as reference:  # step 3's weights, through the staged path
+        shard = root / layout.step_dir_name(6)
+        hidden = shard.rename(shard.with_name("hidden"))
+        assert Checkpointer(cfg).restore(reference).step == 3
+        want = w.weights(reference)
+        hidden.rename(shard)
+    data_file = shard / data_file_name(0)
+    data = bytearray(data_file.read_bytes())
+    data[-200] ^= 0xFF  # near the end: records earlier in the file are read and placed first
+    data_file.write_bytes(bytes(data))
+    with _worker_trainer(cfg) as trainer:
+        restored = Checkpointer(cfg).restore(trainer)
+        assert restored.step == 3 and restored.skipped[0][0] == 6
+        got = w.weights(trainer)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

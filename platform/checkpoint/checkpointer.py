@@ -183,7 +183,10 @@ class Checkpointer:
             self.fs, self.root, model=self.cfg.model.model_dump(mode="json"),
             template=trainer.state_dict, rank=self.rank, world_size=self.world_size,
             replica_rank=self.dp_rank, layout=self.cfg.dims.degrees, world_group=world_group,
-            replica_group=dp_group, before_step=before_step, agree=agree)
+            replica_group=dp_group, before_step=before_step, agree=agree,
+            # A worker restores before it sets any weights (`Trainer(init_weights=False)`,
+            # initialised only if nothing is restored): its state can take the reads directly.
+            into_live=not trainer.initialised and fresh)
         if restored is not None:
             state = restored.state
             if self._starts_new_data(restored.manifest):

@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from longrun.checkpoint.dcp_format import StoredItem, coverage_problem
-from longrun.checkpoint.record_read import CorruptShardError, check_sizes, read_verified
+from longrun.checkpoint.record_read import CorruptShardError, check_sizes, fits_whole, read_verified
 
-__all__ = ["CorruptShardError", "PieceMismatchError", "Wanted", "apply_reads", "plan_reads",
-           "read_pieces", "read_records", "read_whole"]
+__all__ = ["CorruptShardError", "PieceMismatchError", "Wanted", "apply_reads", "in_place_reads",
+           "plan_reads", "read_pieces", "read_records", "read_whole"]
 
 
 class PieceMismatchError(ValueError):
@@ -78,28 +78,55 @@ def plan_reads(metadata: Metadata, wanted: list[Wanted]) -> list[ReadItem]:
 
 
 def read_records(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[MetadataIndex, StoredItem],
-                 reads: list[ReadItem], *, pin: bool = False) -> dict[MetadataIndex, Tensor]:
+                 reads: list[ReadItem], *, pin: bool = False,
+                 wanted: list[Wanted] | None = None) -> dict[MetadataIndex, Tensor]:
     """Every record `reads` (from `plan_reads`) touch, read as a byte range of its file by several
     readers, verified and loaded: {record: tensor} (in pinned memory with `pin`, for a GPU
-    target). Raises CorruptShardError on a bad record. Nothing is copied anywhere yet
-    (`apply_reads`)."""
-    return read_verified(fs, step_dir, records, {item.storage_index for item in reads}, pin=pin)
+    target). Raises CorruptShardError on a bad record. With `wanted`, a record that is exactly
+    one whole wanted host tensor is read straight into it (`in_place_reads`): only for targets
+    whose values nobody needs if the read fails. Everything else is copied by `apply_reads`."""
+    into = in_place_reads(records, reads, wanted) if wanted is not None else None
+    return read_verified(fs, step_dir, records, {item.storage_index for item in reads}, pin=pin, into=into)
+
+
+def in_place_reads(records: dict[MetadataIndex, StoredItem], reads: list[ReadItem],
+                   wanted: list[Wanted]) -> dict[MetadataIndex, Tensor]:
+    """{record: target} for each record that one read takes whole into the whole of one
+    wanted host tensor (the same layout saved and restored, or a piece unchanged by the
+    resharding): those bytes can land in the target directly."""
+    by_name = {w.fqn: w.buffer for w in wanted}
+    uses: dict[MetadataIndex, int] = {}
+    for item in reads:
+        uses[item.storage_index] = uses.get(item.storage_index, 0) + 1
+    into = {}
+    for item in reads:
+        stored, target = records[item.storage_index], by_name[item.dest_index.fqn]
+        whole_record = tuple(item.lengths) == tuple(stored.sizes) and not any(item.storage_offsets)
+        whole_target = tuple(item.lengths) == tuple(target.shape) and not any(item.dest_offsets)
+        if uses[item.storage_index] == 1 and whole_record and whole_target and fits_whole(target, stored):
+            into[item.storage_index] = target
+    return into
 
 
 def apply_reads(loaded: dict[MetadataIndex, Tensor], reads: list[ReadItem], wanted: list[Wanted]) -> None:
-    """Copy each read's overlap from its loaded record into its `wanted` tensor."""
+    """Copy each read's overlap from its loaded record into its `wanted` tensor (nothing for a
+    record read in place: it is its target already)."""
     by_name = {w.fqn: w for w in wanted}
     for item in reads:
         target = by_name[item.dest_index.fqn].buffer
+        source = loaded[item.storage_index]
+        if source.data_ptr() == target.data_ptr() and source.numel() == target.numel():
+            continue
         _box(target, item.dest_offsets, item.lengths).copy_(
-            _box(loaded[item.storage_index], item.storage_offsets, item.lengths))
+            _box(source, item.storage_offsets, item.lengths))
 
 
 def read_pieces(fs: fsspec.AbstractFileSystem, step_dir: str,
                 records: dict[MetadataIndex, StoredItem], wanted: list[Wanted],
                 reads: list[ReadItem]) -> int:
-    """`read_records` then `apply_reads`; returns the bytes read."""
-    loaded = read_records(fs, step_dir, records, reads)
+    """`read_records` then `apply_reads`, reading in place what fits (for new buffers, whose
+    values nobody needs if the read fails); returns the bytes read."""
+    loaded = read_records(fs, step_dir, records, reads, wanted=wanted)
     apply_reads(loaded, reads, wanted)
     return sum(records[index].length for index in loaded)
 
