@@ -38,12 +38,12 @@ def same_weights(a, b) -> bool:
 
 
 class Bench:
-    def __init__(self, trainer, fresh, ckpt, root: str):
+    def __init__(self, trainer, restore_target, ckpt, root: str):
         import torch.distributed.checkpoint as dcp
 
         from longrun.checkpoint.snapshot import tensors_of
 
-        self.trainer, self.fresh, self.ckpt, self.root = trainer, fresh, ckpt, root
+        self.trainer, self.restore_target, self.ckpt, self.root = trainer, restore_target, ckpt, root
         self.dcp_save = dcp.async_save
         self.on_gpu = trainer.device.type == "cuda"
         self.stager, self.stager_closed = self._new_stager(), 0
@@ -77,17 +77,19 @@ class Bench:
         e2e = time.perf_counter() - start
         if result is None or not result.committed:
             raise RuntimeError(f"the longrun save did not commit: {result}")
+        target = self.restore_target()
         evict(ckpt.root)
         start = time.perf_counter()
-        restored = ckpt.restore(self.fresh)
+        restored = ckpt.restore(target)
         sync_device()
         restore = time.perf_counter() - start
-        if restored is None or not same_weights(self.trainer, self.fresh):
+        if restored is None or not same_weights(self.trainer, target):
             raise RuntimeError("the longrun restore did not reproduce the saved weights")
         start = time.perf_counter()
-        ckpt.restore(self.fresh)
+        ckpt.restore(target)
         sync_device()
         restore_warm = time.perf_counter() - start
+        del target
         self.clean(ckpt.root)
         return {"blocking_s": blocking, "save_return_s": returned, "e2e_s": e2e,
                 "write_s": result.write_s, "restore_s": restore, "restore_warm_s": restore_warm}
@@ -104,11 +106,15 @@ class Bench:
             os.fsync(f.fileno())
         fsync_dir(folder)
         blocking = time.perf_counter() - start
+        target = self.restore_target()
         evict(folder)
         start = time.perf_counter()
-        self.fresh.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        target.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         sync_device()
         restore = time.perf_counter() - start
+        if not same_weights(self.trainer, target):
+            raise RuntimeError("torch.load did not reproduce the saved weights")
+        del target
         self.clean(folder)
         return {"blocking_s": blocking, "e2e_s": blocking, "restore_s": restore}
 
@@ -128,19 +134,20 @@ class Bench:
         return row
 
     def _dcp_load(self, folder: str) -> float:
-        """`dcp.load` into the fresh trainer's state dict (its tensors filled in place) and
+        """`dcp.load` into a worker's new trainer's state dict (its tensors filled in place) and
         `load_state_dict`, the files evicted from the page cache first: DCP's cold restore."""
         import torch.distributed.checkpoint as dcp
 
+        target = self.restore_target()
         evict(folder)
         sync_device()
         start = time.perf_counter()
-        state = self.fresh.state_dict()  # every tensor present: longrun's warm-up restored into it
+        state = target.state_dict()  # as longrun's restore builds its template (optimizer state too)
         dcp.load(state, checkpoint_id=folder)
-        self.fresh.load_state_dict(state)
+        target.load_state_dict(state)
         sync_device()
         took = time.perf_counter() - start
-        if not same_weights(self.trainer, self.fresh):
+        if not same_weights(self.trainer, target):
             raise RuntimeError("dcp.load did not reproduce the saved weights")
         return took
 

@@ -15,10 +15,12 @@ by side in one process, alternating the order of the methods across reps (median
                while written, fsynced, manifest written last: committed). The previous save is
                always flushed outside the timed region (steady state); the first save (buffer
                allocation) is a warm-up, reported apart. Restore: `Checkpointer.restore` into a
-               fresh trainer, cold (files evicted from the page cache: read from disk) and warm.
+               worker's new trainer (built anew, no weights set: what a restarted worker
+               restores into), cold (files evicted from the page cache: read from disk), then
+               again into the same trainer, warm.
   sync       - `torch.save(trainer.state_dict(), f)` into a file opened here, flush, fsync of
                the file and of its directory (a checkpoint must be durable); restore: `torch.load`
-               + `load_state_dict`, cold.
+               + `load_state_dict` into a worker's new trainer, cold.
   dcp        - `torch.distributed.checkpoint.async_save(trainer.state_dict(), checkpoint_id=dir)`
                as documented (no stager given: it makes a fresh DefaultStager, so it allocates
                its staging copy on every save) in a single-process gloo group; blocking = until
@@ -26,8 +28,8 @@ by side in one process, alternating the order of the methods across reps (median
                fsyncs its files). The same state dict longrun saves (model, optimizer with
                param_groups, scheduler, data position, RNG) passed as a plain dict.
   dcp_cached - the same with one `DefaultStager` reused across saves (async_stager=), as DCP
-               documents for repeated saves; its restore is `dcp.load` into the fresh trainer's
-               state dict + `load_state_dict`, cold. DCP's asynchronous staging
+               documents for repeated saves; its restore is `dcp.load` into a worker's new
+               trainer's state dict + `load_state_dict`, cold. DCP's asynchronous staging
                (use_async_staging) is not measured: like longrun's GPU path it moves the wait to
                before the next optimizer step, which needs a real step between save and wait.
   memcpy     - the blocking floor: `copy_` of every tensor of the same state into host buffers
@@ -35,14 +37,15 @@ by side in one process, alternating the order of the methods across reps (median
   disk       - the disk floor, `dd`-style: the state's bytes (the memcpy buffers) written to one
                file in 64 MB sequential writes, fsynced; then read back cold. No serialisation,
                no checksum: what the disk itself allows.
-Every save method builds `trainer.state_dict()` inside its timed region (training would have to).
+Every save method builds `trainer.state_dict()` inside its timed region (training would have to),
+and every restore its target's (which gives a new optimizer its state).
 Ratios (seconds, ours over theirs; the last JSON line): `blocking_vs_sync`, `e2e_vs_dcp` (against
 the faster of the two DCP saves), `restore_vs_dcp_load`, `restore_vs_torch_load`, `e2e_vs_disk`,
 `restore_vs_disk`. Targets (issue 39, state >= 4 GB): blocking <= 0.10 of sync; end-to-end and
 cold restore no slower than DCP's, and each within 1.5x of the disk floor.
 On a GPU (`--device cuda`, or auto) the state lives on the device and every copy is
 device-to-host (longrun and the floor into pinned buffers). Host memory: about 6x the state
-(the trainer's, the fresh trainer's, longrun's staging buffer, DCP's stager, the memcpy
+(the trainer's, a restore target's, longrun's staging buffer, DCP's stager, the memcpy
 buffers, a restore's reads) when the state is on the CPU. Timings on a shared machine are noisy:
 the summary prints the load average; `--threads 1` avoids the intra-op copy threads stalling on
 a busy core; `--reps` for more repeats. Run it alone.
@@ -106,9 +109,16 @@ def build(root: str, layers: int, dim: int, device: str):
         f"to create the optimizer state ...")
     trainer.train_step()
     trainer.close()  # stop the data thread: nothing runs beside the measurements
-    fresh = Trainer(cfg, progress=False)  # restore target: same shapes, no optimizer state yet
-    log(f"trainers ready in {time.perf_counter() - start:.1f} s")
-    return trainer, fresh, Checkpointer(cfg)
+    log(f"trainer ready in {time.perf_counter() - start:.1f} s")
+
+    def restore_target() -> Trainer:
+        # What a restarted worker restores into (worker/setup.py): the same shapes, built
+        # anew, no weights set and no optimizer state yet. Each method restores into its own.
+        target = Trainer(cfg, progress=False, init_weights=False)
+        target.close()
+        return target
+
+    return trainer, restore_target, Checkpointer(cfg)
 
 
 def main() -> None:
@@ -149,7 +159,7 @@ def run(root: str, layers: int, dim: int, device: str, reps: int):
     try:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 1),
                                 rank=0, world_size=1)
-        trainer, fresh, ckpt = build(root, layers, dim, device)
+        trainer, restore_target, ckpt = build(root, layers, dim, device)
         tensors = state_tensors(trainer)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         free = shutil.disk_usage(root).free
@@ -158,7 +168,7 @@ def run(root: str, layers: int, dim: int, device: str, reps: int):
                              f"({gb(4 * nbytes)}): pass --dir on a larger local disk")
         log(f"state: {gb(nbytes)} in {len(tensors)} tensors; {gb(free)} free "
             f"under {root}; {reps} reps, torch {torch.__version__}, {torch.get_num_threads()} threads")
-        bench = Bench(trainer, fresh, ckpt, root)
+        bench = Bench(trainer, restore_target, ckpt, root)
         summary = measure(bench, reps)
         summary["dcp_stager_closed"] = bench.stager_closed  # saves that could not reuse it
         breakdown = bench.breakdown(reps)
