@@ -59,7 +59,7 @@ def cli(capsys, monkeypatch):
 PARALLEL_MODULES = frozenset({
     "test_checkpoint", "test_checkpoint_cli", "test_checkpoint_layout", "test_ckpt_coverage",
     "test_ckpt_device", "test_ckpt_lineage", "test_ckpt_skipped_steps", "test_commgroup_init",
-    "test_compile", "test_context_parallel", "test_data_at_scale", "test_data_bad_records",
+    "test_compile", "test_context_parallel", "test_cp_flash", "test_data_at_scale", "test_data_bad_records",
     "test_data_prepare", "test_data_verification", "test_dryrun", "test_dynamic_cp_solver",
     "test_elastic_policy", "test_global_data", "test_global_data_worlds", "test_goodput_accounting",
     "test_goodput_hooks", "test_goodput_ledger", "test_hf_interop", "test_hostile_checkpoint_dir",

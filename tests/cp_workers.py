@@ -55,11 +55,20 @@ def _rel_err(mine, want, idx) -> float:
     return float((mine[real].double() - want[sel]).abs().max() / want[sel].abs().max())
 
 
-def attention_matches_reference(rank: int, world: int, init_file: str, results, cases) -> None:
-    """cases: list of (impl, cp, zigzag, n_heads, kv_heads, ulysses_size)."""
+FLASH_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def attention_matches_reference(rank: int, world: int, init_file: str, results, cases,
+                                kernel: str = "auto", dtype: str = "float32") -> None:
+    """cases: list of (impl, cp, zigzag, n_heads, kv_heads, ulysses_size). The shards run in
+    `dtype` through the CP block kernel `kernel`, under the profiler: how many times the CPU
+    flash op ran forward and backward comes back with the errors. The float64 reference sees
+    the inputs rounded to `dtype`, so only the kernel's own error counts."""
     try:
         dist = _join(rank, world, init_file)
         import torch
+        from torch.profiler import ProfilerActivity, profile
 
         from longrun.commgroup import form_groups, single_node_layout
         from longrun.parallel.dims import ParallelDims
@@ -67,14 +76,13 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
         from longrun.trainer.cp.batches import cp_groups_for
         from longrun.trainer.cp.layout import ShardLayout
 
+        low = getattr(torch, dtype)
         for case in cases:
             impl, cp, zigzag, h, kvh, u = case
             g = torch.Generator().manual_seed(11)
             total, d = sum(LENGTHS), 16
-            q = torch.randn(total, h, d, generator=g, dtype=torch.float64)
-            k = torch.randn(total, kvh, d, generator=g, dtype=torch.float64)
-            v = torch.randn(total, kvh, d, generator=g, dtype=torch.float64)
-            dout = torch.randn(total, h, d, generator=g, dtype=torch.float64)
+            q, k, v, dout = (torch.randn(total, n, d, generator=g, dtype=torch.float64).to(low).double()
+                             for n in (h, kvh, kvh, h))
             ref_q, ref_k, ref_v = (x.clone().requires_grad_() for x in (q, k, v))
             ref = reference_attention(ref_q, ref_k, ref_v, LENGTHS)
             (ref * dout).sum().backward()
@@ -88,10 +96,12 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
             idx = torch.from_numpy(layout.global_index(groups.rank))
             pad = idx < 0
             garbage = torch.Generator().manual_seed(100 + rank)
-            lq, lk, lv = (_local(x, idx, garbage).float().requires_grad_() for x in (q, k, v))
-            attn = ContextParallelAttention(layout, groups, torch.device("cpu"))
-            out = attn.attend(lq, lk, lv)
-            (out * _local(dout, idx, garbage).float()).sum().backward()
+            lq, lk, lv = (_local(x, idx, garbage).to(low).requires_grad_() for x in (q, k, v))
+            attn = ContextParallelAttention(layout, groups, torch.device("cpu"), kernel)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = attn.attend(lq, lk, lv)
+                (out * _local(dout, idx, garbage).to(low)).sum().backward()
+            ran = [e.name for e in prof.events()]
             results.put((rank, case, {
                 "out": _rel_err(out.detach(), ref.detach(), idx),
                 "dq": _rel_err(lq.grad, ref_q.grad, idx), "dk": _rel_err(lk.grad, ref_k.grad, idx),
@@ -100,6 +110,8 @@ def attention_matches_reference(rank: int, world: int, init_file: str, results, 
                 if pad.any() else 0.0,
                 "pad_out": float(out.detach()[pad].abs().max()) if pad.any() else 0.0,
                 "finite": bool(torch.isfinite(out).all() and torch.isfinite(lq.grad).all()),
+                "flash_forward": ran.count(FLASH_OPS[0]), "flash_backward": ran.count(FLASH_OPS[1]),
+                "dtype": str(out.dtype),
             }))
         dist.destroy_process_group()
     except BaseException:

@@ -146,6 +146,19 @@ def test_mfu_benchmark_skips_without_a_gpu():
     assert "no CUDA" in out.stderr
 
 
+def test_cp_kernel_benchmark_dry_run_runs_both_kernels_on_both_blocks():
+    out = _run("--device", "cpu", "--tokens", "192", "--ring", "2", "--reps", "1",
+               script="cp_kernel.py")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["dry_run"] is True and result["dtype"] == "float32"
+    assert [r["diagonal"] for r in result["rows"]] == [True, False]
+    for row in result["rows"]:
+        assert row["flash"]["s"] > 0 and row["math"]["s"] > 0 and row["speedup"] > 0
+        # the same block: flash (float32 on the CPU) agrees with the math kernel
+        assert row["flash_vs_math"]["out"] < 1e-5 and row["flash_vs_math"]["dq"] < 1e-5
+
+
 def test_mfu_benchmark_dry_run_exercises_the_measurement_path():
     out = _run("--device", "cpu", "--tiny")
     assert out.returncode == 0, out.stderr

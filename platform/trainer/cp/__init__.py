@@ -2,7 +2,9 @@
 
     layout.py       how a micro-batch's documents split over a CP group (zigzag per document)
     attention.py    CP attention for one micro-batch: ring, Ulysses or USP over commgroup's groups
-    kernel.py       the block kernel: one rank's queries against one block of keys (masks, LSE)
+    flash.py        the flash block kernel (default): varlen flash on CUDA, flash SDPA on CPU,
+                    documents as runs and segments, no score block; the kernel choice
+    kernel.py       the float32 math block kernel (masks, LSE): the fallback and the baseline
     ring.py         ring attention: K/V blocks around the group, transfers under compute
     ulysses.py      Ulysses all-to-all between "my tokens, all heads" and "all tokens, my heads"
     cost.py         the cost model of a planned micro-batch (compute, ring transfers, overheads)

@@ -13,9 +13,10 @@ to see whole documents. Three ways to get there:
 - **USP.** Ulysses inside groups of `u` ranks (usually one node: the all-to-all wants
   bandwidth), ring across the cp/u such groups. Works for any head count and topology.
 
-All three run the same block kernel (`cp/kernel.py`). The process groups come from commgroup
-(`commgroup.groups`: the CP group, and USP's Ulysses and ring sub-groups), formed with every
-other group of the attempt; this package never creates one.
+All three run the same block kernel: flash (`cp/flash.py`) by default, the float32 math kernel
+(`cp/kernel.py`) where flash does not apply or when asked for (`kernel="math"`). The process
+groups come from commgroup (`commgroup.groups`: the CP group, and USP's Ulysses and ring
+sub-groups), formed with every other group of the attempt; this package never creates one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longrun.parallel.dims import CPImpl
+from longrun.trainer.cp.flash import FLASH, KERNEL_CHOICES, MATH, KernelChoice, flash_unavailable
 from longrun.trainer.cp.layout import ShardLayout
 from longrun.trainer.cp.ring import Ring, ring_attention
 from longrun.trainer.cp.ulysses import HeadsToSeq, SeqToHeads
@@ -61,9 +63,12 @@ class ContextParallelAttention:
     layers call instead of single-process attention. Built per micro-batch (the masks depend
     on the documents) and shared by all layers."""
 
-    def __init__(self, layout: ShardLayout, groups: CPGroups, device: torch.device):
+    def __init__(self, layout: ShardLayout, groups: CPGroups, device: torch.device,
+                 kernel: KernelChoice = "auto"):
         if layout.cp != groups.size:
             raise ValueError(f"layout for CP {layout.cp} used with a CP group of {groups.size}")
+        if kernel not in KERNEL_CHOICES:
+            raise ValueError(f"the CP block kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
         self.layout, self.groups = layout, groups
         u = groups.ulysses_size
         ring_index = groups.rank // u
@@ -82,10 +87,13 @@ class ContextParallelAttention:
                 self._order = torch.from_numpy(order).to(device)
                 self._inverse = torch.from_numpy(np.argsort(order)).to(device)
         self.ring = Ring(groups.ring if groups.size // u > 1 else None, ring_index, tuple(members),
-                         device)
-        # Every step's masks now, before the first layer runs (not inside its ring loop).
+                         device, kernel)
+        # Every step's plan now, before the first layer runs (not inside its ring loop), for
+        # the kernel flash-capable inputs get; a fallback's plans are made on first use.
+        flash_fits = kernel != "math" and flash_unavailable(device, torch.bfloat16, 128) is None
+        likely = FLASH if flash_fits else MATH
         for src in range(self.ring.size):
-            self.ring.buckets(src)
+            self.ring.plan(likely, src)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, H, D], k/v [T, KV, D]: this rank's shard; returns its attention output."""

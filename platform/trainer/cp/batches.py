@@ -28,6 +28,7 @@ from longrun.data.corpus import Corpus
 from longrun.data.packing import GlobalBatch, MicroBatch, build_micro_batch
 from longrun.parallel.dims import ParallelDims
 from longrun.trainer.cp.attention import ContextParallelAttention, CPGroups
+from longrun.trainer.cp.flash import KernelChoice
 from longrun.trainer.cp.layout import LocalShard, ShardLayout
 from longrun.trainer.cp.planner import CostModel, Plan, PlannedGroup, plan_dynamic, plan_static
 
@@ -47,6 +48,7 @@ class ContextParallelSetup:
     # Under tensor parallelism, this rank's TP group: its members train the same micro-batches
     # in lock-step, so they must plan with one cost model (see calibration.load_or_calibrate).
     tp_group: dist.ProcessGroup | None = None
+    kernel: KernelChoice = "auto"  # the block kernel (`cp/flash.py`): flash where it applies
 
     @property
     def span_size(self) -> int:
@@ -181,4 +183,5 @@ def cp_attention_for(rmb: RankMicroBatch, setup: ContextParallelSetup, device: t
     """The attention object the model uses for this micro-batch (None: plain packed)."""
     if rmb.shard is None:
         return None
-    return ContextParallelAttention(rmb.shard.layout, setup.groups[rmb.group.cp], device)
+    return ContextParallelAttention(rmb.shard.layout, setup.groups[rmb.group.cp], device,
+                                    setup.kernel)

@@ -7,15 +7,17 @@ query run meets the key run; runs of similar width are padded and batched into o
 (`attention_buckets`).
 
 The kernel is plain PyTorch math in float32 (scores, masked softmax, log-sum-exp), which runs
-anywhere, including gloo on CPU where the tests run; K/V travel in their own dtype and are
-upcast per block. It materialises a block's scores, so on a GPU it is the place for a fused
-kernel that returns the log-sum-exp (flash attention's varlen forward and backward); the
-ring, the overlap and the merge (`cp/ring.py`) do not change.
+anywhere and on any dtype; K/V travel in their own dtype and are upcast per block. It
+materialises a block's scores and builds its masks with numpy on the host, so it is the
+fallback and the baseline (`bench/cp_kernel.py`): the ring's default is the flash kernel
+(`cp/flash.py`) wherever that applies. `MathKernel` puts it behind the block-kernel interface
+the ring drives (`cp/ring.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -149,3 +151,72 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, buckets: list[Bu
                       .view(kvh, b.n * b.w, d).index_select(1, b.k_real))
         dq.index_add_(2, b.q_dest, (torch.matmul(ds, kb) * scale)
                       .view(kvh, g, b.n * b.w, d).index_select(2, b.q_real))
+
+
+# --- behind the ring's block-kernel interface (token-major: q [T, H, D], k/v [T, KV, D]) -------
+
+
+class Partial(NamedTuple):
+    """A rank's queries in a kernel's layout and the attention merged over the blocks so far."""
+
+    x: Tensor
+    out: Tensor  # float32
+    lse: Tensor  # float32; -inf where nothing was visible yet
+
+
+class Grads(NamedTuple):
+    """What a kernel's backward needs per block: the queries, the output gradient, the *merged*
+    output and log-sum-exp, and dq accumulated in float32 over the blocks."""
+
+    x: Tensor
+    do: Tensor
+    out: Tensor
+    lse: Tensor
+    dq: Tensor
+    delta: Tensor | None = None  # rowsum(dO * O), where the kernel wants it precomputed
+
+
+def heads_first(x: Tensor, kv_heads: int) -> Tensor:
+    """[T, H, D] -> float32 [KV, H/KV, T, D]: the query heads grouped by the K/V head they share."""
+    t, h, d = x.shape
+    return x.float().view(t, kv_heads, h // kv_heads, d).permute(1, 2, 0, 3).contiguous()
+
+
+def _token_major(x: Tensor, like: Tensor) -> Tensor:
+    kvh, g, t, d = x.shape
+    return x.permute(2, 0, 1, 3).reshape(t, kvh * g, d).to(like.dtype)
+
+
+class MathKernel:
+    """The float32 block kernel above; K/V blocks arrive token-major and are read through
+    transposed views (no copy), dK/dV are accumulated into such views."""
+
+    name = "math"
+
+    def plan(self, q: TokenStream, k: TokenStream, device: torch.device) -> list[Bucket]:
+        return attention_buckets(q, k, device)
+
+    def forward_start(self, q: Tensor, kv_heads: int) -> Partial:
+        x = heads_first(q, kv_heads)
+        return Partial(x, torch.zeros_like(x),
+                       torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
+
+    def forward_block(self, p: Partial, k: Tensor, v: Tensor, plan: list[Bucket]) -> None:
+        block_forward(p.x, k.transpose(0, 1), v.transpose(0, 1), plan, p.x.shape[-1] ** -0.5,
+                      p.out, p.lse)
+
+    def output(self, p: Partial, q: Tensor) -> Tensor:
+        return _token_major(p.out, q)
+
+    def backward_start(self, q: Tensor, dout: Tensor, out: Tensor, lse: Tensor) -> Grads:
+        kv_heads = out.shape[0]
+        x, do = heads_first(q, kv_heads), heads_first(dout, kv_heads)
+        return Grads(x, do, out, lse, torch.zeros_like(x), delta=(do * out).sum(-1))
+
+    def backward_block(self, g: Grads, k: Tensor, v: Tensor, plan: list[Bucket], dk: Tensor,
+                       dv: Tensor) -> None:
+        block_backward(g.x, k.transpose(0, 1), v.transpose(0, 1), g.do, plan, g.x.shape[-1] ** -0.5,
+                       g.lse, g.delta, g.dq, dk.transpose(0, 1), dv.transpose(0, 1))
+
+    def dq(self, g: Grads, q: Tensor) -> Tensor:
+        return _token_major(g.dq, q)

@@ -5,7 +5,8 @@ their log-sum-exp (the blockwise softmax of flash attention), so no rank holds t
 sequence's K/V. The transfer of the next block is posted *before* the current block is
 computed: communication runs under compute. Backward sends K/V around again, and the dK/dV of
 each block travel one step behind it, every rank adding its share, until they arrive back at
-the block's owner.
+the block's owner. The per-block work is a block kernel's (`cp/flash.py`, `cp/kernel.py`):
+the ring only moves K/V and dK/dV, token-major, and hands the kernel its blocks.
 
 Message order: NCCL ignores tags and matches point-to-point messages by their order per pair
 of peers, and a send may block until its receive is posted, so every send is posted in one
@@ -17,12 +18,13 @@ tag; K/V and dK/dV carry different ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longrun.trainer.cp.kernel import Bucket, attention_buckets, block_backward, block_forward
+from longrun.trainer.cp.flash import KernelChoice, block_kernel
 from longrun.trainer.cp.layout import TokenStream
 
 _KV_TAG, _DKV_TAG = 17, 18  # distinct tags: gloo matches messages by (peer, tag)
@@ -31,25 +33,27 @@ _KV_TAG, _DKV_TAG = 17, 18  # distinct tags: gloo matches messages by (peer, tag
 @dataclass
 class Ring:
     """A ring of attention participants: `streams[i]` is what member i holds (its queries and
-    its K/V block); this process is member `rank`. group None: a ring of one (no transfers)."""
+    its K/V block); this process is member `rank`. group None: a ring of one (no transfers).
+    `kernel` picks the block kernel (`cp/flash.py`'s `block_kernel`)."""
 
     group: dist.ProcessGroup | None
     rank: int
     streams: tuple[TokenStream, ...]
     device: torch.device
-    _buckets: dict[int, list[Bucket]] = field(default_factory=dict, repr=False)
+    kernel: KernelChoice = "auto"
+    _plans: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
         return len(self.streams)
 
-    def buckets(self, src: int) -> list[Bucket]:
-        """This member's queries against member `src`'s keys (computed once per micro-batch,
-        shared by all layers, forward and backward)."""
-        if src not in self._buckets:
-            self._buckets[src] = attention_buckets(self.streams[self.rank], self.streams[src],
-                                                   self.device)
-        return self._buckets[src]
+    def plan(self, kernel, src: int):
+        """How this member's queries meet member `src`'s keys under `kernel` (computed once per
+        micro-batch, shared by all layers, forward and backward)."""
+        key = (kernel.name, src)
+        if key not in self._plans:
+            self._plans[key] = kernel.plan(self.streams[self.rank], self.streams[src], self.device)
+        return self._plans[key]
 
     def _peer(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
@@ -69,39 +73,31 @@ def _wait(works: list[dist.Work]) -> None:
         w.wait()
 
 
-def _heads_first(x: Tensor, kv_heads: int) -> Tensor:
-    """[T, H, D] -> float32 [KV, H/KV, T, D]: the query heads grouped by the K/V head they share."""
-    t, h, d = x.shape
-    return x.float().view(t, kv_heads, h // kv_heads, d).permute(1, 2, 0, 3).contiguous()
-
-
 class _RingAttention(torch.autograd.Function):
     # The trainer runs forward under autocast and backward outside it; the kernel must compute
     # the same scores in both (the saved log-sum-exp has to match them), so autocast is off
-    # inside and the precision is chosen here: float32 math, K/V on the wire in their dtype.
+    # inside and the precision is the kernel's: float32 math, or flash in the inputs' dtype
+    # with out and lse merged in float32. K/V travel token-major [2, T, KV, D] in their dtype.
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring, kernel) -> Tensor:
         with torch.autocast(q.device.type, enabled=False):
-            t, h, d = q.shape
-            kvh = k.shape[1]
-            qh = _heads_first(q, kvh)
-            kv = torch.stack((k, v)).permute(0, 2, 1, 3).contiguous()  # [2, KV, T, D]
-            out = torch.zeros_like(qh)
-            lse = torch.full(qh.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+            kvh, d = k.shape[1], k.shape[2]
+            kv = torch.stack((k, v))
+            p = kernel.forward_start(q, kvh)
             for step in range(ring.size):
                 src = (ring.rank - step) % ring.size
                 works, nxt = [], None
                 if step < ring.size - 1:  # the next block is on the wire while this one computes
-                    nxt = kv.new_empty(2, kvh, len(ring.streams[(src - 1) % ring.size]), d)
+                    nxt = kv.new_empty(2, len(ring.streams[(src - 1) % ring.size]), kvh, d)
                     works = ring.post(kv, nxt, _KV_TAG)
-                block_forward(qh, kv[0], kv[1], ring.buckets(src), d ** -0.5, out, lse)
+                kernel.forward_block(p, kv[0], kv[1], ring.plan(kernel, src))
                 _wait(works)
                 if nxt is not None:
                     kv = nxt
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.ring = ring
-            return out.permute(2, 0, 1, 3).reshape(t, h, d).to(q.dtype)
+            ctx.save_for_backward(q, k, v, p.out, p.lse)
+            ctx.ring, ctx.kernel = ring, kernel
+            return kernel.output(p, q)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -112,23 +108,20 @@ class _RingAttention(torch.autograd.Function):
     def _backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
-        t, h, d = q.shape
-        kvh = k.shape[1]
-        qh, do = _heads_first(q, kvh), _heads_first(dout, kvh)
-        delta = (do * out).sum(-1)
-        dq = torch.zeros_like(qh)
-        kv = torch.stack((k, v)).permute(0, 2, 1, 3).contiguous()
+        kernel = ctx.kernel
+        kvh, d = k.shape[1], k.shape[2]
+        g = kernel.backward_start(q, dout, out, lse)
+        kv = torch.stack((k, v))
         dkv_works: list[dist.Work] = []
         incoming: Tensor | None = None  # dK/dV accumulated so far for the block held next
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             kv_works, nxt = [], None
             if step < ring.size - 1:
-                nxt = kv.new_empty(2, kvh, len(ring.streams[(src - 1) % ring.size]), d)
+                nxt = kv.new_empty(2, len(ring.streams[(src - 1) % ring.size]), kvh, d)
                 kv_works = ring.post(kv, nxt, _KV_TAG)
             mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            block_backward(qh, kv[0], kv[1], do, ring.buckets(src), d ** -0.5, lse, delta, dq,
-                           mine[0], mine[1])
+            kernel.backward_block(g, kv[0], kv[1], ring.plan(kernel, src), mine[0], mine[1])
             _wait(dkv_works)  # the previous step's send has left; this block's sum has come
             if incoming is not None:
                 mine += incoming
@@ -137,7 +130,7 @@ class _RingAttention(torch.autograd.Function):
                 # with the receive of what the previous member sends at this same point: the
                 # sum for the block held next, or at the end this member's own.
                 after = (ring.rank - step - 1) % ring.size
-                incoming = mine.new_empty(2, kvh, len(ring.streams[after]), d)
+                incoming = mine.new_empty(2, len(ring.streams[after]), kvh, d)
                 dkv_works = ring.post(mine, incoming, _DKV_TAG)
             else:
                 incoming = mine
@@ -145,13 +138,10 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kv = nxt
         _wait(dkv_works)
-        dq_out = dq.permute(2, 0, 1, 3).reshape(t, h, d).to(q.dtype)
-        dk_out = incoming[0].permute(1, 0, 2).to(k.dtype)
-        dv_out = incoming[1].permute(1, 0, 2).to(v.dtype)
-        return dq_out, dk_out, dv_out, None
+        return kernel.dq(g, q), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> Tensor:
     """Causal attention of this member's queries q [T, H, D] over the whole ring's keys
     k/v [T, KV, D] (KV divides H); returns [T, H, D] in q's dtype."""
-    return _RingAttention.apply(q, k, v, ring)
+    return _RingAttention.apply(q, k, v, ring, block_kernel(ring.kernel, q))
