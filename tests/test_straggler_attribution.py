@@ -242,7 +242,7 @@ def test_the_listeners_put_the_report_in_status_the_event_log_and_prometheus():
     metrics = ControllerMetrics("slow")
     listeners = Listeners([EventLog(record, printed.append), MetricsListener(metrics, record, cfg),
                            ProgressRecord(progress)])
-    attempt = SimpleNamespace(number=2)
+    attempt = SimpleNamespace(number=2, group=None)  # not placed: its nodes have no names
     report = slow_node_report()
     listeners.stragglers(attempt, report, NOW)
     listeners.stragglers(attempt, slow_node_report(), NOW + 1)  # nothing new: no second event
@@ -269,7 +269,7 @@ def test_the_listeners_put_the_report_in_status_the_event_log_and_prometheus():
 
 
 def test_data_that_comes_and_goes_is_news_at_most_every_five_minutes():
-    record, attempt = FakeRecord(), SimpleNamespace(number=0)
+    record, attempt = FakeRecord(), SimpleNamespace(number=0, group=None)
     log = EventLog(record, lambda line: None)
     data = StragglerReport(1.5, 1.0, 0.5, (SlowRank(7, "n0", None, "data", 1.5, "costly", 1.5),), FACTOR, 64)
     calm = StragglerReport(1.02, 1.0, 0.02, (), FACTOR, 64)
