@@ -11,6 +11,10 @@ of a real job whose rank is SIGKILLed is tests/test_user_view_job.py's.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import controller_fakes
 import pytest
@@ -104,6 +108,35 @@ def test_the_hook_keeps_rays_death_paragraph_and_prints_everything_else(monkeypa
     assert printed[-1] == [RAY_DEATH]  # left: Ray prints as before
 
 
+def test_rays_error_thread_hands_a_death_over_and_prints_the_rest():
+    """Through a real driver: errors published to it as the raylet does, read by Ray's own
+    error thread. Published in order (one channel: delivered in order), so once the death is
+    taken the message before it has been printed."""
+    code = textwrap.dedent(f"""
+        import time, ray
+        from ray._private.utils import publish_error_to_driver
+        from longrun.controller.ray_deaths import WorkerDeaths
+        with WorkerDeaths() as deaths:
+            ray.init(num_cpus=1, include_dashboard=False, logging_level="error", log_to_driver=False)
+            job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+            gcs = ray._private.worker.global_worker.gcs_client
+            publish_error_to_driver("resources", "Resource usage is high", gcs, job)
+            publish_error_to_driver("worker_died", {RAY_DEATH!r}, gcs, job)
+            deadline, taken = time.monotonic() + 60, []
+            while not taken and time.monotonic() < deadline:
+                taken = deaths.take()
+                if not taken:
+                    time.sleep(0.05)  # until Ray's error thread has read it
+            ray.shutdown()
+        print("taken", [d.pid for d in taken])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env=os.environ | {"RAY_COLOR_PREFIX": "0"})
+    assert "taken [4101]" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "(raylet) Resource usage is high" in done.stdout, done.stdout
+    assert "A worker died" not in done.stdout + done.stderr
+
+
 # -- a controller on named nodes ----------------------------------------------------------------
 
 
@@ -156,7 +189,7 @@ def test_the_console_status_journal_and_metrics_name_a_dead_ranks_node(named, re
     text = "\n".join(printed)
     assert ID_A not in text and ID_B not in text, text
     fault = next(line for line in printed if line.startswith("fault: rank 1's process died"))
-    assert "on node gpu-a (10.0.0.1); its last lines are in" in fault, fault
+    assert "; rank 1 was on node gpu-a (10.0.0.1), its last lines are in " in fault, fault
     state = next(line for line in printed if line.startswith("state RECOVERING: "))
     assert "rank 1 on node gpu-a (10.0.0.1) died" in state, state
     assert "ray: " not in text  # Ray's account of rank 1's death: the fault says it

@@ -109,7 +109,7 @@ def test_the_console_names_the_node_by_host_and_ends_with_done(job):
     worker it saw die (the killed rank) folded away, since the fault says it; `done:` last."""
     _, text = job
     fault = next(line for line in text.splitlines() if line.startswith("fault: rank 1's process died"))
-    assert f" on node {socket.gethostname()} (127.0.0.1); " in fault, fault
+    assert f"; rank 1 was on node {socket.gethostname()} (127.0.0.1), its last lines are in " in fault, fault
     assert not re.search(r"(?<![0-9a-f])[0-9a-f]{56}(?![0-9a-f])", text), text  # no Ray node id
     assert "A worker died or was killed" not in text and "OOM killer" not in text, text
     assert "(raylet)" not in text, text

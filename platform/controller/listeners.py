@@ -149,8 +149,8 @@ class EventLog(Listener):
             extra = fault_extra(i, path, node_names_of(attempt))
             self.record.event("fault", attempt.number, i.detail, **extra, last_lines=lines[-LAST_LINES:])
             node = extra.get("node_name") or i.node  # where to look, unless the detail says it
-            where = f" on node {node}" if node and node not in i.detail else ""
-            self.on_event(f"fault: {i.detail}{where}; its last lines are in {path}")
+            where = f"rank {i.rank} was on node {node}, " if node and node not in i.detail else ""
+            self.on_event(f"fault: {i.detail}; {where}its last lines are in {path}")
             for line in lines[-CONSOLE_LINES:] if n == 0 else ():  # a record's first line; all in the file
                 self.on_event(f"  rank {i.rank}| {first_line(line)}")
 
