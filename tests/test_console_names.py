@@ -239,3 +239,44 @@ def test_a_death_ray_reports_of_a_process_that_is_no_rank_is_one_line(named, tmp
     said = [line for line in printed if line.startswith("ray: ")]
     assert said == ["ray: a worker process (pid 5200) on gpu-b (10.0.0.2) died (SYSTEM_ERROR, Worker "
                     "unexpectedly exits with a connection error code 2)"]
+
+
+def test_a_rank_that_fails_as_its_group_is_stopped_prints_no_traceback():
+    """A surviving rank whose collective broke when its peer died raises on its own, in the
+    moment between the controller hearing of the death and killing the group. Its error is
+    the dead peer's fault, reported once by the controller; unread, Ray prints it as an
+    'Unhandled error' with its coloured `ray::TrainWorker.run()` traceback. Made certain here:
+    rank 0's run() has raised (the call queued behind it on the actor has answered) before
+    the group, which never polled it, is stopped."""
+    code = textwrap.dedent("""
+        import gc, time, types, ray
+        from longrun.controller.workers import RayWorkerGroup
+
+        @ray.remote
+        class TrainWorker:
+            def __init__(self, rank):
+                self.rank = rank
+            def run(self):
+                if self.rank == 0:
+                    raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4100")
+                time.sleep(600)  # a rank still training, as far as it knows
+            def node_id(self):
+                return ray.get_runtime_context().get_node_id()
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        actors = [TrainWorker.remote(rank) for rank in (0, 1)]
+        node = ray.get(actors[0].node_id.remote())
+        group = RayWorkerGroup(types.SimpleNamespace(node_ids=(node,), names={}), actors)
+        group.start()
+        ray.get(actors[0].node_id.remote())  # runs after rank 0's run() has raised
+        group.stop()
+        del group, actors
+        gc.collect()
+        ray.shutdown()
+        print("stopped")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env=os.environ | {"RAY_COLOR_PREFIX": "0"})
+    said = done.stdout + done.stderr
+    assert "stopped" in done.stdout, said[-3000:]
+    assert "Unhandled error" not in said and "TrainWorker" not in said and "\x1b" not in said, said[-3000:]

@@ -62,6 +62,7 @@ def job(tmp_path_factory):
 def test_the_console_shows_the_job_as_one(job):
     _, text = job
     assert "\x1b" not in text and "repeated" not in text and "TrainWorker" not in text, text
+    assert "Unhandled error" not in text, text  # a surviving rank's error, read by the controller
     lines = text.splitlines()
     printed = [(int(m.group(3)), int(m.group(1))) for line in lines if (m := _STEP.match(line))]
     assert len(printed) == len(set(printed)), printed  # one line per step and attempt
