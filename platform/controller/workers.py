@@ -184,27 +184,18 @@ class RayWorkerGroup:
         that memory before the new one allocates."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        runs, self._runs = self._runs, {}
+        # The runs the group never polled are waited for too (they end with their actors): Ray
+        # prints an error no one waited for or read as an 'Unhandled error', with the rank's
+        # coloured traceback, on the user's console. A surviving rank whose collective broke
+        # as its peer died has one; the fault is reported already, its traceback is in its log.
+        runs, self._runs = list(self._runs), {}
         if self.agents is not None:  # before the controller deletes the attempt's keys
             self.agents.forget(self.attempt)
         pings = [a.node_id.remote() for a in self.actors]  # fail once the actor is gone
-        done, _ = ray.wait(pings + list(runs), num_returns=len(pings) + len(runs), timeout=confirm_timeout_s)
+        done, _ = ray.wait(pings + runs, num_returns=len(pings) + len(runs), timeout=confirm_timeout_s)
         ended = set(done)
         if missing := sum(ping not in ended for ping in pings):
             log.warning("%d killed worker(s) not confirmed dead after %g s", missing, confirm_timeout_s)
-        for ref in ended.intersection(runs):
-            self._read_end(ref, runs[ref])
-
-    @staticmethod
-    def _read_end(ref: Any, rank: int) -> None:
-        """Read how a rank the group never polled ended (killed, or failed as its peer died).
-        Ray prints an error nobody read as an 'Unhandled error' with the rank's coloured
-        traceback, on the user's console; the fault that ended the attempt is already reported,
-        the traceback is in the rank's log file."""
-        try:
-            ray.get(ref, timeout=0)
-        except RayError as exc:
-            log.debug("rank %d ended as its group stopped: %s", rank, last_line(exc))
 
 
 class RayLauncher:
