@@ -28,6 +28,7 @@ import redis
 from longrun.controller.job_state import job_status
 from longrun.goodput.summary import read_summary
 from longrun.kinds import JobState
+from longrun.node_names import NodeNames
 from longrun.redact import PASSWORD_ENV, redact
 from longrun.redis_password import REFERENCE, RedisPasswordError, password_of, resolve
 from longrun.services.redis_client import quick_client
@@ -42,6 +43,7 @@ _STATE = re.compile(r"state (" + "|".join(JobState) + r"): (.*)")
 _STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
 _EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume|waiting_for_nodes|grow_requested|"
                     r"resized|stragglers): (.*)$")
+_EVICTED = re.compile(r"^node (.+?)(?: will not be used again.*| failed.*)?$")  # "evicted" event: the node
 _RESIZED = re.compile(r"-> (\d+) node\(s\), \d+ -> (\d+) rank\(s\)")  # the controller's "resized" event
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _GOODPUT = re.compile(r"^goodput \d+(\.\d+)?% of ")  # the controller's goodput line (goodput/summary.py)
@@ -85,8 +87,8 @@ def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
             view.step, view.loss = f"{m.group(1)}/{m.group(2)}", float(m.group(3))
         elif m := _EVENT.match(line):
             view.events.append(line)
-            if m.group(1) == "evicted":
-                view.evicted.append(m.group(2).split()[1])
+            if m.group(1) == "evicted" and (node := _EVICTED.match(m.group(2))):
+                view.evicted.append(node.group(1))
             elif m.group(1) == "resized" and (size := _RESIZED.search(m.group(2))):
                 view.size = f"{size.group(1)} node(s), {size.group(2)} rank(s)"
             elif m.group(1) == "stragglers":
@@ -151,16 +153,28 @@ def read_record(url: str, job: str, *, started_ms: int | None, ended_ms: int | N
 
 
 def view_of_record(status: dict[str, Any], source: str) -> ControllerView:
-    """A ControllerView of what controller.job_status returns."""
+    """A ControllerView of what controller.job_status returns: evicted nodes by name ("host
+    (address)") where the record knows it, by id otherwise."""
     fields = status["fields"]
     steps = fields.get("steps")
     loss = json.loads(fields["loss"]) if fields.get("loss") else None
+    names = NodeNames(_json_dict(fields.get("node_names")))
     return ControllerView(
         state=status["state"], reason=fields.get("reason", ""), attempt=status["attempt"],
         step=f"{status['step']}/{steps}" if steps else str(status["step"]),
-        loss=float(loss) if loss is not None else None, evicted=sorted(status["evicted"]),
+        loss=float(loss) if loss is not None else None, evicted=sorted(map(names.name, status["evicted"])),
         events=[event_line(e) for e in status["events"]], source=source, size=fields.get("size"),
         stragglers=fields.get("stragglers") or None)
+
+
+def _json_dict(text: str | None) -> dict[str, str]:
+    """A JSON object of the record, or {} when it is absent or not one (a record is anyone's
+    who can write to its Redis)."""
+    try:
+        found = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
 
 def event_line(event: dict[str, Any]) -> str:
@@ -169,8 +183,10 @@ def event_line(event: dict[str, Any]) -> str:
     if event.get("type") == "transition":
         return f"{at} state {event.get('to')}: {event.get('reason', '')}"
     line = f"{at} {event.get('type')}: {event.get('reason', '')}"
-    if event.get("log_file"):  # a fault of one rank: where its log is, and how it ended
+    if event.get("log_file"):  # a fault of one rank: where its log is, its node, and how it ended
         line += f"\n    log: {event['log_file']}"
+        if event.get("node_name") or event.get("node"):
+            line += f"\n    node: {event.get('node_name') or event['node']}"
         parts = [part for last in event.get("last_lines", ()) for part in last.split("\n")]
         line += "".join(f"\n    | {part}" for part in parts)
     return line

@@ -45,6 +45,8 @@ class FakeGroup:
     def __init__(self, attempt: int, clock: Clock, diagnostics=None):
         self.attempt, self.clock = attempt, clock
         self.node_ids = NODES
+        self.node_names: dict[str, str] = {}  # named by their ids, unless a test names them
+        self.pids: dict[int, int] = {}
         self.diagnostics = diagnostics or {}  # rank -> failure reason
         self.script: list[list[RankEnded]] = []
         self.started = self.stopped = False

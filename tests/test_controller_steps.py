@@ -389,7 +389,9 @@ def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):
     workers = [g for g in c.targets() if g["labels"]["role"] == "worker"]
     assert [g["targets"] for g in workers] == [[f"127.0.0.1:{9100 + r}"] for r in range(WORLD)]
     assert {g["labels"]["node"] for g in workers} == set(NODES) and workers[0]["labels"]["attempt"] == "0"
-    assert value("longrun_heartbeat_age_seconds", {"job": cfg.job.name, "rank": "3", "node": "node-b"}) >= 0
+    # `node` by name, `node_id` by id: the fakes' nodes have no names, so both are the id.
+    age = {"job": cfg.job.name, "rank": "3", "node": "node-b", "node_id": "node-b"}
+    assert value("longrun_heartbeat_age_seconds", age) >= 0
     launcher.groups[0].script.append([RankEnded(3, kind="dead", detail="rank 3's process died")])
     assert c.step() is JobState.RECOVERING
     assert value("longrun_job_restarts_total", {"job": cfg.job.name, "cause": "dead"}) == 1
@@ -397,7 +399,6 @@ def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):
     assert value("longrun_fault_detection_seconds_count", {"job": cfg.job.name}) == 1
     # The dead attempt's workers leave the targets (and their per-rank series go).
     assert [g["labels"]["role"] for g in c.targets()] == ["controller"]
-    age = {"job": cfg.job.name, "rank": "3", "node": "node-b"}
     assert value("longrun_heartbeat_age_seconds", age) is None
     c.step()
     assert value("longrun_job_attempt", {"job": cfg.job.name}) == 1

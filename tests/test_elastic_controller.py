@@ -43,6 +43,8 @@ class Group:
     def __init__(self, cfg, nodes, clock: Clock):
         self.cfg, self.clock = cfg, clock
         self.node_ids = tuple(nodes[:cfg.cluster.nodes])
+        self.node_names: dict[str, str] = {}
+        self.pids: dict[int, int] = {}
         self.world = cfg.world_size
         self.script: list[list[RankEnded]] = []
         self.pending = set(range(self.world))

@@ -48,7 +48,7 @@ def test_worker_metrics_are_served_on_loopback():
         body = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         metrics.close()
-    labels = 'attempt="1",job="demo",node="node-a",rank="3"'
+    labels = 'attempt="1",job="demo",node="node-a",node_id="node-a",rank="3"'  # node_id: no name given
     assert f"longrun_train_step{{{labels}}} 6.0" in body
     assert f"longrun_train_loss{{{labels}}} 1.25" in body  # NaN is not exported as a loss
     assert f"longrun_train_tokens_total{{{labels}}} 8192.0" in body

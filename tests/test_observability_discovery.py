@@ -41,6 +41,11 @@ def test_target_groups_label_workers_and_the_controller():
         {"targets": ["127.0.0.1:9400"], "labels": {"job": "demo", "role": "controller"}},
     ]
     assert target_groups("demo", 0, {}, None) == []
+    # With the nodes' names: `node` as a person reads it, `node_id` as Ray knows it.
+    named = target_groups("demo", 3, {0: ("127.0.0.1:9101", "node-a")}, None,
+                          names={"node-a": "gpu-a (10.0.0.1)"})
+    assert named[0]["labels"] == {"job": "demo", "attempt": "3", "rank": "0", "node": "gpu-a (10.0.0.1)",
+                                  "node_id": "node-a", "role": "worker"}
 
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1", "host:port", ":9100", "h:0", "h:70000"])

@@ -16,7 +16,8 @@ from longrun.health.policy import PRECEDENCE
 from longrun.observability import vocab
 from longrun.observability.metrics import ControllerMetrics, WorkerMetrics, init_phases
 
-WORKER_IDENTITY = {"job": "demo", "attempt": "2", "rank": "1", "node": "node-a"}
+# The node by name and, as a second label, by Ray id (here the same: no name was given).
+WORKER_IDENTITY = {"job": "demo", "attempt": "2", "rank": "1", "node": "node-a", "node_id": "node-a"}
 
 # name -> (type, extra labels beyond the identity labels)
 WORKER_FAMILIES = {
@@ -56,10 +57,10 @@ CONTROLLER_FAMILIES = {
     "longrun_job_evicted_nodes": ("gauge", set()),
     "longrun_job_steps_lost": ("counter", set()),
     "longrun_job_last_fault_steps_lost": ("gauge", set()),
-    "longrun_heartbeat_age_seconds": ("gauge", {"rank", "node"}),
-    "longrun_heartbeat_timestamp_seconds": ("gauge", {"rank", "node"}),
-    "longrun_diagnostics_ok": ("gauge", {"node", "check"}),
-    "longrun_diagnostics_duration_seconds": ("gauge", {"node", "check"}),
+    "longrun_heartbeat_age_seconds": ("gauge", {"rank", "node", "node_id"}),
+    "longrun_heartbeat_timestamp_seconds": ("gauge", {"rank", "node", "node_id"}),
+    "longrun_diagnostics_ok": ("gauge", {"node", "node_id", "check"}),
+    "longrun_diagnostics_duration_seconds": ("gauge", {"node", "node_id", "check"}),
     "longrun_group_init_seconds": ("gauge", {"phase"}),
     "longrun_elastic_resizes": ("counter", {"direction"}),
     "longrun_job_nodes": ("gauge", set()),

@@ -48,6 +48,8 @@ def test_a_slow_node_at_4096_ranks_is_found_and_named():
     assert {s.node for s in report.slow} == {"n3"}
     assert "node n3: 8 of its 8 ranks (ranks 24-31) slow together" in report.slow[0].detail
     assert "node n3 (ranks 24-31) slow together 1.6" in report.sentence()
+    named = report.sentence({"n3": "gpu-3 (10.0.0.3)"})  # as a person reads the node
+    assert "node gpu-3 (10.0.0.3) (ranks 24-31) slow together 1.6" in named
     assert report.by_blame() == {"node": 8, "data": 0, "stage": 0, "rank": 0}
     # The same with the node index built once per attempt.
     again = attribute(times, NodeIndex.of(nodes), None, costs, FACTOR)
@@ -131,6 +133,8 @@ def test_a_single_slow_rank_with_normal_data_is_the_rank():
     assert (slow.rank, slow.blame, slow.node) == (13, "rank", "n1")
     assert "the 7 other rank(s) on node n1 are not slow with it" in slow.detail
     assert "rank 13 on node n1 slow alone 1.9" in report.sentence()
+    # Said to a person: the node by host and address where the attempt knows it.
+    assert "rank 13 on node gpu-1 (10.0.0.1) slow alone 1.9" in report.sentence({"n1": "gpu-1 (10.0.0.1)"})
     # One rank per node: nothing shows the node slow "together".
     alone = attribute(times, [f"h{r}" for r in range(64)], None, costs, FACTOR)
     assert blames(alone) == {13: "rank"} and "it is alone on node h13" in alone.slow[0].detail
@@ -242,7 +246,7 @@ def test_the_listeners_put_the_report_in_status_the_event_log_and_prometheus():
     metrics = ControllerMetrics("slow")
     listeners = Listeners([EventLog(record, printed.append), MetricsListener(metrics, record, cfg),
                            ProgressRecord(progress)])
-    attempt = SimpleNamespace(number=2)
+    attempt = SimpleNamespace(number=2, group=None)  # not placed: its nodes have no names
     report = slow_node_report()
     listeners.stragglers(attempt, report, NOW)
     listeners.stragglers(attempt, slow_node_report(), NOW + 1)  # nothing new: no second event
@@ -269,7 +273,7 @@ def test_the_listeners_put_the_report_in_status_the_event_log_and_prometheus():
 
 
 def test_data_that_comes_and_goes_is_news_at_most_every_five_minutes():
-    record, attempt = FakeRecord(), SimpleNamespace(number=0)
+    record, attempt = FakeRecord(), SimpleNamespace(number=0, group=None)
     log = EventLog(record, lambda line: None)
     data = StragglerReport(1.5, 1.0, 0.5, (SlowRank(7, "n0", None, "data", 1.5, "costly", 1.5),), FACTOR, 64)
     calm = StragglerReport(1.02, 1.0, 0.02, (), FACTOR, 64)

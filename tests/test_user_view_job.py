@@ -2,15 +2,17 @@
 step 5 and restarted, its console piped to a file as a user's would be.
 
 One job, several readings of it: the console (one progress line per logged step and attempt,
-no Ray folding, no escape codes, state lines in order), the killed rank's log file named by its
-fault, `longrun logs --rank`, TensorBoard (each step's loss once across the restart), the
-journal, and `longrun report` drawn by headless Chromium.
+no Ray folding, no escape codes, state lines in order, nodes by host and address, no paragraph of
+Ray's on the killed worker, `done:` last), the killed rank's log file named by its fault,
+`longrun logs --rank`, TensorBoard (each step's loss once across the restart), the journal, and
+`longrun report` drawn by headless Chromium.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +62,7 @@ def job(tmp_path_factory):
 def test_the_console_shows_the_job_as_one(job):
     _, text = job
     assert "\x1b" not in text and "repeated" not in text and "TrainWorker" not in text, text
+    assert "Unhandled error" not in text, text  # a surviving rank's error, read by the controller
     lines = text.splitlines()
     printed = [(int(m.group(3)), int(m.group(1))) for line in lines if (m := _STEP.match(line))]
     assert len(printed) == len(set(printed)), printed  # one line per step and attempt
@@ -100,6 +103,18 @@ def test_the_killed_rank_is_named_with_its_log_file(job, cli):
     assert [(e["fault"], e["log_file"]) for e in killed] == [("dead", str(path))]
     assert any(e["type"] == "resumed" and e["attempt"] == 1 and e["source"] in ("storage", "memory")
                for e in events)
+
+
+def test_the_console_names_the_node_by_host_and_ends_with_done(job):
+    """Nodes by host name and address, never Ray's 56-digit id; Ray's own paragraph on the
+    worker it saw die (the killed rank) folded away, since the fault says it; `done:` last."""
+    _, text = job
+    fault = next(line for line in text.splitlines() if line.startswith("fault: rank 1's process died"))
+    assert f"; rank 1 was on node {socket.gethostname()} (127.0.0.1), its last lines are in " in fault, fault
+    assert not re.search(r"(?<![0-9a-f])[0-9a-f]{56}(?![0-9a-f])", text), text  # no Ray node id
+    assert "A worker died or was killed" not in text and "OOM killer" not in text, text
+    assert "(raylet)" not in text, text
+    assert text.splitlines()[-1].startswith("done: 10 steps"), text[-2000:]
 
 
 def test_tensorboard_holds_each_steps_loss_once_across_the_restart(job):

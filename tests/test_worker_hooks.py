@@ -120,7 +120,7 @@ def test_the_first_step_publishes_the_state_each_rank_holds_under_its_layout(red
         hooks.after_step(metrics_of(1))
         value = metrics.registry.get_sample_value(
             "longrun_train_state_bytes", {"job": "hooks-state", "attempt": "0", "rank": "0", "node": "",
-                                          "kind": "parameters", "layout": "single"})
+                                          "node_id": "", "kind": "parameters", "layout": "single"})
         assert value == 1024
     finally:
         beat.stop()

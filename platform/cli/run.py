@@ -4,6 +4,7 @@ names existing ones."""
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -81,9 +82,13 @@ def _run_with_services(cfg, token: str | None, *, dashboard: bool = False) -> di
     import ray
 
     from longrun.controller.driver import run_job
+    from longrun.controller.ray_deaths import WorkerDeaths
     from longrun.services import EmbeddedRay, EmbeddedRedis
 
     with ExitStack() as stack:
+        # Last out: what Ray printed to stdout (buffered when piped) comes before the job's last
+        # line, which `cmd_run` prints to stderr after this.
+        stack.callback(sys.stdout.flush)
         redis_url = cfg.cluster.redis_url
         if redis_url is None:
             with console.status("starting an embedded Redis on 127.0.0.1"):
@@ -102,9 +107,12 @@ def _run_with_services(cfg, token: str | None, *, dashboard: bool = False) -> di
             console.print(f"ray: embedded head at {address} (token authentication), {shown_dashboard}",
                           highlight=False)
         # Ranks' output goes to their log files (<output_dir>/<job>/logs/), not through Ray to
-        # this console, which shows the job as one: its progress lines and state changes.
+        # this console, which shows the job as one: its progress lines and state changes. Ray's
+        # paragraph on a worker that died comes to the controller instead, which folds it into its
+        # own account (controller/ray_deaths.py); held until Ray's error thread has stopped.
+        deaths = stack.enter_context(WorkerDeaths())
         ray.init(address=address, logging_level="warning", configure_logging=True, log_to_driver=False)
         stack.callback(ray.shutdown)
 
         with JobConsole(console, cfg.training.steps) as shown:
-            return run_job(cfg, redis_url, on_event=shown.line)
+            return run_job(cfg, redis_url, on_event=shown.line, worker_deaths=deaths.take)

@@ -57,6 +57,7 @@ from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
 from longrun.controller.precheck import checkpoint_problem, fence_rollback, sweep_partial_saves
 from longrun.controller.rank_logs import RankLogs
+from longrun.controller.ray_deaths import WorkerDeath
 from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.user_view import user_view_listeners
 from longrun.controller.watch import Watcher
@@ -66,6 +67,7 @@ from longrun.health.policy import Action, Decision, Incident, RestartRecord, dec
 from longrun.health.scaling import Resize
 from longrun.health.startup import StartupDeadlines, startup_deadlines
 from longrun.kinds import StartupPhase
+from longrun.node_names import NodeNames
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import advertised_address, target_groups
 from longrun.services.redis_client import patient_client, quick_client
@@ -92,7 +94,8 @@ class Controller:
                  on_event: Callable[[str], None] | None = None, placement_timeout_s: float | None = None,
                  diagnostics_timeout_s: float = 300.0, launch: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep, serve_metrics: bool = True):
+                 sleep: Callable[[float], None] = time.sleep, serve_metrics: bool = True,
+                 worker_deaths: Callable[[], list[WorkerDeath]] | None = None):
         self.cfg = cfg
         self.redis_url = redis_url
         self.client = patient_client(redis_url, cfg.health.store_patience_s)  # the record path
@@ -104,6 +107,10 @@ class Controller:
         self.launch = launch or RayLauncher()
         self.clock, self.wall, self.sleep = clock, wall, sleep
         self.on_event = on_event or (lambda line: log.info("%s", line))
+        # Ray's reports of worker processes that died (controller/ray_deaths.py), and the pids of
+        # every attempt's ranks, whose deaths their faults report already.
+        self.worker_deaths = worker_deaths
+        self._rank_pids: set[int] = set()
         self.attempt = Attempt(0)
         self.summary: dict[str, Any] | None = None  # set on SUCCEEDED and PREEMPTED
         self.failure: str | None = None  # set on FAILED
@@ -128,9 +135,12 @@ class Controller:
                                       window_steps=max(4096, 2 * cfg.checkpoint.interval_steps))
         # The ranks' log lines into files, and the warnings they share printed once.
         rank_logs = RankLogs(cfg.job.name, cfg.run_dir, self.watch_client, self.client, self.on_event)
+        # Nodes as a person reads them ("host (address)"), learnt from each placement.
+        self.names = NodeNames()
         self.listeners = standard_listeners(cfg, self.record, self.on_event, self.metrics, self.targets,
                                             JobRecordStore(self.watch_client, cfg.job.name),
-                                            self.launch.warm_spares, self.goodput, rank_logs.last_lines)
+                                            self.launch.warm_spares, self.goodput, rank_logs.last_lines,
+                                            names=self.names)
         self.listeners.listeners.append(rank_logs)
         # What the user looks at: the progress line, the journal, TensorBoard.
         self.listeners.listeners += user_view_listeners(
@@ -159,7 +169,8 @@ class Controller:
     def targets(self) -> list[dict]:
         """The Prometheus scrape targets now: the live attempt's workers and the controller."""
         endpoints = dict(self.attempt.endpoints) if self.attempt.live else {}
-        return target_groups(self.cfg.job.name, self.attempt.number, endpoints, self._address)
+        return target_groups(self.cfg.job.name, self.attempt.number, endpoints, self._address,
+                             names=self.names.table)
 
     # -- driving -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -175,6 +186,7 @@ class Controller:
                 raise JobFailed(str(exc)) from exc
             while not self.machine.state.terminal:
                 self.step()
+            self._fold_worker_deaths()  # before the job's last line
             if self.machine.state is JobState.FAILED:
                 self._linger()
         except KeyboardInterrupt:
@@ -205,6 +217,7 @@ class Controller:
 
     def step(self) -> JobState:
         """Do the current state's work once; the state it led to."""
+        self._fold_worker_deaths()
         state = self.machine.state
         if self.stop_request is not None and not state.terminal:
             if self._forced():
@@ -255,7 +268,10 @@ class Controller:
         self._waiting_for_nodes = False
         if layout_key(layout) != layout_key(self.layout) and not self._resize(layout):
             return
-        self.record.update(nodes=list(self.attempt.group.node_ids), size=self._size_text())
+        self.names.learn(self.attempt.group.node_names)
+        self._rank_pids.update(self.attempt.group.pids.values())
+        self.record.update(nodes=list(self.attempt.group.node_ids), node_names=self.names.table,
+                           size=self._size_text())
         if self.cfg.recovery.diagnostics:
             self._move(JobState.DIAGNOSING, f"self-checks: {', '.join(self.cfg.recovery.diagnostics)}")
         else:
@@ -266,7 +282,7 @@ class Controller:
         self.listeners.diagnosed(reports)
         failed = {r["node"]: f"rank {r['rank']}: {r['reason']}" for r in reports if not r["ok"]}
         for node, reason in failed.items():
-            self._event("diagnostics_failed", f"node {node[:12]} failed its self-check ({reason})",
+            self._event("diagnostics_failed", f"node {node} failed its self-check ({reason})",
                         node=node)
         if failed:
             self._handle(self._decide([], failed))
@@ -290,7 +306,7 @@ class Controller:
         if incidents is None:
             draining = self.attempt.group.draining()
             if draining:
-                nodes = ", ".join(n[:12] for n in sorted(draining))
+                nodes = ", ".join(sorted(draining))  # named by the listeners
                 self.request_preemption(f"Ray is draining node(s) {nodes} (a preemption or scale-down "
                                         "notice)")
             elif self.sizing is not None:
@@ -591,7 +607,7 @@ class Controller:
             return
         for node in decision.evict_nodes:
             self.record.evict(node, decision.reason)
-            self._event("evicted", f"node {node[:12]} will not be used again", node=node)
+            self._event("evicted", f"node {node} will not be used again", node=node)
         restart = RestartRecord.of(decision, at=self.wall(), reached_step=self._reached())
         self.record.add_restart(restart.to_dict(), window_s=self.cfg.recovery.restart_window_s)
         if decision.skip_steps is not None:  # kept for every later attempt, in the job record
@@ -611,7 +627,7 @@ class Controller:
 
     def _fail(self, reason: str, decision: Decision | None = None) -> None:
         self._end_attempt()
-        self.failure = reason
+        self.failure = self.names.in_text(reason)  # what `longrun run` prints
         self._move(JobState.FAILED, reason, decision)
 
     def _end_attempt(self) -> None:
@@ -628,6 +644,13 @@ class Controller:
         except redis.RedisError as exc:  # tidying up must not hide why the attempt ended
             log.warning("attempt %d's Redis keys not deleted: %s", self.attempt.number, exc)
         self.listeners.ended(self.attempt)
+
+    def _fold_worker_deaths(self) -> None:
+        """Ray's reports of worker processes that died: nothing for a rank's (its fault says it),
+        one line for any other."""
+        for death in self.worker_deaths() if self.worker_deaths is not None else ():
+            if death.pid not in self._rank_pids:
+                self.on_event(death.line(self.names))
 
     def _move(self, target: JobState, reason: str, decision: Decision | None = None) -> None:
         move = self.machine.transition(target, reason, at=self.wall(), decision=decision)

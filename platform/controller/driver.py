@@ -17,6 +17,7 @@ from typing import Any
 from longrun.config import JobConfig
 from longrun.config.runnable import UnsupportedJob, check_runnable
 from longrun.controller.controller import Controller, JobFailed
+from longrun.controller.ray_deaths import WorkerDeath
 
 __all__ = ["EXIT_PREEMPTED", "JobFailed", "UnsupportedJob", "run_job"]
 
@@ -26,16 +27,18 @@ EXIT_PREEMPTED = 75
 
 
 def run_job(cfg: JobConfig, redis_url: str, *, on_event: Callable[[str], None] | None = None,
-            poll_s: float | None = None) -> dict[str, Any]:
+            poll_s: float | None = None,
+            worker_deaths: Callable[[], list[WorkerDeath]] | None = None) -> dict[str, Any]:
     """Run the job on the connected Ray cluster to its end; the summary of rank 0 (with
     "preempted": True when it stopped on request, its checkpoint saved), with the job's
     goodput ("goodput": the ratio; "goodput_line": it and its top three losses, as `longrun
     status` shows them). Raises UnsupportedJob before anything is placed when this version
     cannot run the config, and JobFailed (with the reason) when the job ends FAILED (the
-    controller's goodput line comes just before)."""
+    controller's goodput line comes just before). `worker_deaths`: Ray's reports of worker
+    processes that died (controller/ray_deaths.py), folded into the controller's lines."""
     check_runnable(cfg)
     check_reachable(cfg, redis_url)
-    controller = Controller(cfg, redis_url, on_event=on_event, poll_s=poll_s)
+    controller = Controller(cfg, redis_url, on_event=on_event, poll_s=poll_s, worker_deaths=worker_deaths)
     with _stop_on_signals(controller, on_event or (lambda line: None)):
         summary = controller.run()
     goodput = controller.goodput.summary()

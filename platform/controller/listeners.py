@@ -16,7 +16,8 @@ audit log) is one more listener, not one more line in every state handler.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from longrun.health.decisions import PRECEDENCE
 from longrun.health.node_beats import Beats
 from longrun.health.policy import Action, Incident
 from longrun.health.stragglers import StragglerReport
+from longrun.node_names import NodeNames
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import write_file_sd
 
@@ -67,22 +69,28 @@ class Listener:
 
 
 class Listeners(Listener):
-    """Hands every hook to each listener in turn."""
+    """Hands every hook to each listener in turn, with the nodes in its words named as a person
+    reads them (`names`: node_names.py): a reason, an event's message, a fault's detail. The
+    fields that identify a node (an event's `node`, an incident's) keep its id."""
 
-    def __init__(self, listeners: Iterable[Listener]):
+    def __init__(self, listeners: Iterable[Listener], names: NodeNames | None = None):
         self.listeners = list(listeners)
+        self.names = names if names is not None else NodeNames()
 
-    def moved(self, *args: Any) -> None:
-        self._all("moved", args)
+    def moved(self, move: Transition, attempt: Attempt) -> None:
+        self._all("moved", (replace(move, reason=self.names.in_text(move.reason)), attempt))
 
-    def event(self, *args: Any) -> None:
-        self._all("event", args)
+    def event(self, kind: str, attempt: Attempt, message: str, extra: dict[str, Any]) -> None:
+        if extra.get("node") in self.names.table:
+            extra = extra | {"node_name": self.names.name(extra["node"])}
+        self._all("event", (kind, attempt, self.names.in_text(message), extra))
 
-    def declared(self, *args: Any) -> None:
-        self._all("declared", args)
+    def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
+        named = [replace(i, detail=self.names.in_text(i.detail)) for i in incidents]
+        self._all("declared", (attempt, named, wall))
 
-    def diagnosed(self, *args: Any) -> None:
-        self._all("diagnosed", args)
+    def diagnosed(self, reports: list[dict[str, Any]]) -> None:
+        self._all("diagnosed", ([r | {"node_name": self.names.name(r["node"])} for r in reports],))
 
     def heartbeats(self, *args: Any) -> None:
         self._all("heartbeats", args)
@@ -133,14 +141,16 @@ class EventLog(Listener):
         incidents = sorted(incidents, key=lambda i: PRECEDENCE.index(i.kind))
         for n, i in enumerate(incidents):
             if i.rank is None or self.last_lines is None:
-                self.event("fault", attempt, i.detail, fault_extra(i))
+                self.event("fault", attempt, i.detail, fault_extra(i, names=node_names_of(attempt)))
                 continue
             # Where to look: the rank's log file, and its last lines in the event (what
             # `longrun status` shows; the node may be gone, the record is not).
             path, lines = self.last_lines(attempt.number, i.rank)
-            self.record.event("fault", attempt.number, i.detail, **fault_extra(i, path),
-                              last_lines=lines[-LAST_LINES:])
-            self.on_event(f"fault: {i.detail}; its last lines are in {path}")
+            extra = fault_extra(i, path, node_names_of(attempt))
+            self.record.event("fault", attempt.number, i.detail, **extra, last_lines=lines[-LAST_LINES:])
+            node = extra.get("node_name") or i.node  # where to look, unless the detail says it
+            where = f"rank {i.rank} was on node {node}, " if node and node not in i.detail else ""
+            self.on_event(f"fault: {i.detail}; {where}its last lines are in {path}")
             for line in lines[-CONSOLE_LINES:] if n == 0 else ():  # a record's first line; all in the file
                 self.on_event(f"  rank {i.rank}| {first_line(line)}")
 
@@ -156,7 +166,7 @@ class EventLog(Listener):
                 and wall - self._stragglers_at < STRAGGLER_EVENT_EVERY_S):
             return
         self._stragglers, self._stragglers_at = key, wall
-        self.event("stragglers", attempt, report.sentence(),
+        self.event("stragglers", attempt, report.sentence(node_names_of(attempt)),
                    {"slowdown": round(report.slowdown, 4), "slow_ranks": report.by_blame()})
 
     def ended(self, attempt: Attempt) -> None:
@@ -191,10 +201,19 @@ def first_line(text: str, limit: int = 240) -> str:
     return line[:limit] + (" ..." if cut else "")
 
 
-def fault_extra(incident: Incident, log_file: str | None = None) -> dict[str, Any]:
-    """A declared fault's fields in the event log and the journal."""
+def fault_extra(incident: Incident, log_file: str | None = None,
+                names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A declared fault's fields in the event log and the journal: its node by id, and by name
+    where `names` (node id -> "host (address)") knows it."""
     extra = {"fault": incident.kind, "rank": incident.rank, "node": incident.node, "step": incident.step}
+    if names and incident.node in names:
+        extra["node_name"] = names[incident.node]
     return extra | {"log_file": log_file} if log_file else extra
+
+
+def node_names_of(attempt: Attempt) -> Mapping[str, str]:
+    """The names of the attempt's nodes (none before it is placed)."""
+    return attempt.group.node_names if attempt.group is not None else {}
 
 
 def resumed_message(step: int, source: str, seconds: float) -> str:
@@ -207,7 +226,8 @@ class MetricsListener(Listener):
 
     def __init__(self, metrics: ControllerMetrics, record: JobRecordStore, cfg: JobConfig):
         self.metrics, self.record, self.total_steps = metrics, record, cfg.training.steps
-        self._nodes_of: tuple[int, list[str]] = (-1, [])  # (attempt, each rank's node)
+        # (attempt, each rank's node by name, by id): for the heartbeat series' labels
+        self._nodes_of: tuple[int, list[str], list[str]] = (-1, [], [])
         self.metrics.set_size(cfg.cluster.nodes, cfg.world_size)  # until an elastic job resizes
 
     def moved(self, move: Transition, attempt: Attempt) -> None:
@@ -235,16 +255,20 @@ class MetricsListener(Listener):
 
     def diagnosed(self, reports: list[dict[str, Any]]) -> None:
         for report in reports:
+            node = report["node"]
             for name, ok, seconds, _detail in report["checks"]:
-                self.metrics.diagnostics(report["node"], name, ok, seconds)
+                self.metrics.diagnostics(report.get("node_name", node), name, ok, seconds, node_id=node)
 
     def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
         cols = beats.columns
         ranks = np.flatnonzero(cols.present)
         if self._nodes_of[0] != attempt.number:  # each rank's node, named once per attempt
-            self._nodes_of = (attempt.number, [attempt.group.node_of(r) for r in range(cols.world_size)])
+            ids = [attempt.group.node_of(r) for r in range(cols.world_size)]
+            names = attempt.group.node_names
+            self._nodes_of = (attempt.number, [names.get(n, n) for n in ids], ids)
         sent = cols.sent_at[ranks]
-        self.metrics.heartbeat_ages(ranks, self._nodes_of[1], np.maximum(0.0, wall - sent), sent)
+        self.metrics.heartbeat_ages(ranks, self._nodes_of[1], np.maximum(0.0, wall - sent), sent,
+                                    node_ids=self._nodes_of[2])
         self.metrics.set_step(int(cols.step[ranks].min()), self.total_steps)
 
     def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None:
@@ -314,7 +338,7 @@ class ProgressRecord(Listener):
     def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None:
         # What `longrun status` shows under "stragglers:", the newest poll's.
         try:
-            self.record.update(stragglers=report.sentence())
+            self.record.update(stragglers=report.sentence(node_names_of(attempt)))
         except (redis.RedisError, OSError) as exc:
             log.warning("job record straggler report not written: %s", exc)
 
@@ -374,14 +398,14 @@ def standard_listeners(cfg: JobConfig, record: JobRecordStore, on_event: Callabl
                        metrics: ControllerMetrics, targets: Callable[[], list[dict]],
                        progress: JobRecordStore, warm_spares: Callable[[], None],
                        goodput: GoodputTracker | None = None,
-                       last_lines: LastLines | None = None) -> Listeners:
+                       last_lines: LastLines | None = None, names: NodeNames | None = None) -> Listeners:
     """What every controller has listening: the event log (and `on_event` lines; a fault names
     its rank's log file and last lines, from `last_lines`), metrics, scrape targets (`targets`),
     progress in the job record (`progress`: on a client that fails fast), the launcher's spares
-    (`warm_spares`) and goodput (`goodput`)."""
+    (`warm_spares`) and goodput (`goodput`); nodes named by `names` in what they hear."""
     listeners: list[Listener] = [EventLog(record, on_event, last_lines),
                                  MetricsListener(metrics, record, cfg),
                                  Discovery(cfg, targets), ProgressRecord(progress), SpareWarmer(warm_spares)]
     if goodput is not None:
         listeners.append(GoodputListener(goodput, metrics, on_event))
-    return Listeners(listeners)
+    return Listeners(listeners, names)

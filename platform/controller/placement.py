@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -40,6 +40,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from longrun.config import JobConfig
+from longrun.node_names import node_name
 
 NODE_ID_LABEL = "ray.io/node-id"
 RECHECK_S = 2.0  # how often a pending reservation looks whether one of its nodes has died
@@ -83,6 +84,12 @@ class NodeInfo:
     address: str
     total: dict[str, float]
     available: dict[str, float]
+    host: str = ""  # its host name, as Ray reports it
+
+    @property
+    def name(self) -> str:
+        """"host (address)": what a person reads (node_names.py)."""
+        return node_name(self.host, self.address)
 
     def fits(self, bundle: dict[str, float], count: int, *, free: bool) -> bool:
         pool = self.available if free else self.total
@@ -102,7 +109,7 @@ def alive_nodes() -> list[NodeInfo]:
         available = {}
     nodes = [
         NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]),
-                 available.get(n["NodeID"], {}))
+                 available.get(n["NodeID"], {}), host=n.get("NodeManagerHostname", ""))
         for n in ray.nodes() if n["Alive"]
     ]
     return sorted(nodes, key=lambda n: (n.address, n.node_id))
@@ -171,6 +178,7 @@ class Placement:
     group: PlacementGroup
     node_ids: tuple[str, ...]  # node of each node index; rank r lives on node_ids[r // per_node]
     workers_per_node: int
+    names: dict[str, str] = field(default_factory=dict)  # node id -> "host (address)"
 
     def node_of(self, rank: int) -> str:
         return self.node_ids[rank // self.workers_per_node]
@@ -200,7 +208,8 @@ def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.
             left = deadline - time.monotonic()
             ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(RECHECK_S, left)))
             if ready:
-                return Placement(group, tuple(n.node_id for n in nodes), per_node)
+                return Placement(group, tuple(n.node_id for n in nodes), per_node,
+                                 {n.node_id: n.name for n in nodes})
             if cancelled is not None and cancelled():
                 remove_placement_group(group)
                 raise PlacementCancelled(f"placing {cfg.world_size} worker(s) given up: the job was asked "
@@ -209,7 +218,7 @@ def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.
             if left <= 0:
                 remove_placement_group(group)
                 raise PlacementTimeout(
-                    f"{cfg.world_size} worker(s) on nodes {', '.join(n.address for n in nodes)} could not "
+                    f"{cfg.world_size} worker(s) on nodes {', '.join(n.name for n in nodes)} could not "
                     f"be reserved within {timeout_s:g} s (the placement deadline, "
                     "health.startup.placement_s): their resources are in use",
                     available=placeable_nodes(cfg, now, evicted),

@@ -16,7 +16,7 @@ from typing import Any
 
 from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
-from longrun.controller.listeners import Listener, fault_extra, resumed_message
+from longrun.controller.listeners import Listener, fault_extra, node_names_of, resumed_message
 from longrun.controller.rank_logs import rank_log_path
 from longrun.controller.state import Transition
 from longrun.goodput.accounting import StepRecord
@@ -86,7 +86,8 @@ class JournalListener(Listener):
     def declared(self, attempt: Attempt, incidents: list[Incident], wall: float) -> None:
         for i in incidents:
             path = rank_log_path(self.run_dir, attempt.number, i.rank) if i.rank is not None else None
-            self._event("fault", attempt.number, i.detail, fault_extra(i, path), at=wall)
+            extra = fault_extra(i, path, node_names_of(attempt))
+            self._event("fault", attempt.number, i.detail, extra, at=wall)
 
     def resumed(self, attempt: int, step: int | None, source: str, seconds: float) -> None:
         if step is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 class WorkerGroup(Protocol):
     node_ids: tuple[str, ...]
+    node_names: Mapping[str, str]  # node id -> "host (address)" (node_names.py), those known
+    pids: Mapping[int, int]  # rank -> its process's id, those known
 
     def node_of(self, rank: int) -> str: ...
     def diagnose(self, timeout_s: float) -> list[dict[str, Any]]: ...
@@ -102,15 +104,20 @@ class RayWorkerGroup:
     the placement belongs to the launcher, which keeps it for the next attempt if it can."""
 
     def __init__(self, placement: Placement, actors: list[Any], agents: Agents | None = None,
-                 attempt: int = 0):
+                 attempt: int = 0, pids: Sequence[int] = ()):
         self.placement, self.agents, self.attempt = placement, agents, attempt
         self.node_ids = placement.node_ids
         self.actors = actors
+        self.pids = dict(enumerate(pids))
         self._runs: dict[Any, int] = {}  # pending run() ref -> rank
         self._lost: set[str] = set()  # nodes already reported lost
 
     def node_of(self, rank: int) -> str:
         return self.placement.node_of(rank)
+
+    @property
+    def node_names(self) -> Mapping[str, str]:
+        return self.placement.names
 
     def diagnose(self, timeout_s: float) -> list[dict[str, Any]]:
         """Every rank's self-check report. A rank whose check raised, died or did not answer
@@ -177,14 +184,18 @@ class RayWorkerGroup:
         that memory before the new one allocates."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self._runs.clear()
+        # The runs the group never polled are waited for too (they end with their actors): Ray
+        # prints an error no one waited for or read as an 'Unhandled error', with the rank's
+        # coloured traceback, on the user's console. A surviving rank whose collective broke
+        # as its peer died has one; the fault is reported already, its traceback is in its log.
+        runs, self._runs = list(self._runs), {}
         if self.agents is not None:  # before the controller deletes the attempt's keys
             self.agents.forget(self.attempt)
         pings = [a.node_id.remote() for a in self.actors]  # fail once the actor is gone
-        done, _ = ray.wait(pings, num_returns=len(pings), timeout=confirm_timeout_s)
-        if len(done) < len(pings):
-            log.warning("%d killed worker(s) not confirmed dead after %g s", len(pings) - len(done),
-                        confirm_timeout_s)
+        done, _ = ray.wait(pings + runs, num_returns=len(pings) + len(runs), timeout=confirm_timeout_s)
+        ended = set(done)
+        if missing := sum(ping not in ended for ping in pings):
+            log.warning("%d killed worker(s) not confirmed dead after %g s", missing, confirm_timeout_s)
 
 
 class RayLauncher:
@@ -246,7 +257,7 @@ class RayLauncher:
         try:
             pids = ray.get([a.assume.remote(config, rank, attempt, redis_url, list(self.placement.node_ids),
                                             resume_before_step, list(skip_steps), snapshots[rank],
-                                            beat_to.get(self.placement.node_of(rank)))
+                                            beat_to.get(self.placement.node_of(rank)), self.placement.names)
                             for rank, a in enumerate(actors)], timeout=timeout_s)
             if beat_to:  # each node's agent believes its ranks' processes only, from now on
                 self.agents.expect(attempt, self._ranks_by_node(cfg, pids), timeout_s=timeout_s)
@@ -264,7 +275,7 @@ class RayLauncher:
         except LaunchFailed:
             self._abandon(actors)
             raise
-        return RayWorkerGroup(self.placement, actors, self.agents if cfg.node_agents else None, attempt)
+        return RayWorkerGroup(self.placement, actors, self.agents if cfg.node_agents else None, attempt, pids)
 
     def _ensure_agents(self, cfg: JobConfig, redis_url: str, timeout_s: float) -> None:
         """Every node of the placement has a heartbeat agent listening before a rank beats."""
@@ -307,10 +318,11 @@ class RayLauncher:
                                f"{last_line(exc)[:300]}", kind=fault_kind_of(unwrap(exc))) from exc
         unseen = unseen_probes(cfg.checkpoint_dir, token, [nodes[i] for i in fresh])
         if unseen:
+            named = ", ".join(self.placement.names.get(n, n) for n in unseen)
             raise LaunchFailed(
                 f"checkpoint.dir {cfg.checkpoint_dir} is not one directory shared by every node: what "
-                f"the workers on node(s) {', '.join(n[:12] for n in unseen)} wrote there, the controller "
-                "cannot read. Every rank writes its pieces there and a restart on any node reads them: "
+                f"the workers on node(s) {named} wrote there, the controller cannot read. "
+                "Every rank writes its pieces there and a restart on any node reads them: "
                 "use storage every node mounts at the same path, or a URL (s3://..., gs://...)",
                 kind=FaultKind.FATAL)
         self._shared_storage_seen.update(nodes[i] for i in fresh)

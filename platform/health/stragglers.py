@@ -51,7 +51,7 @@ no clock; vectorised (numpy), a few milliseconds at 16,384 ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -96,14 +96,15 @@ class StragglerReport:
             counts[s.blame] += 1
         return counts
 
-    def sentence(self) -> str:
+    def sentence(self, names: Mapping[str, str] | None = None) -> str:
         """One line for status and events, e.g. "runs 23% slower than with every rank at the median
-        (1.23 s vs 1.00 s): node n3 (ranks 24-31) slow together 1.60x; rank 7's data costs 1.30x"."""
+        (1.23 s vs 1.00 s): node n3 (ranks 24-31) slow together 1.60x; rank 7's data costs 1.30x".
+        `names`: node id -> the name a person reads ("host (address)"), where known."""
         if self.ranks == 0:
             return "no step times reported yet"
         head = (f"runs {self.slowdown:.0%} slower than with every rank at the median "
                 f"({_seconds(self.step_time_s)} vs {_seconds(self.median_s)})")
-        clauses = self._clauses()
+        clauses = self._clauses(names or {})
         if not clauses:
             limit = f"{self.factor:g}x " if self.factor else ""
             return f"{head}; no rank is slower than {limit}the median"
@@ -111,15 +112,15 @@ class StragglerReport:
             clauses = [*clauses[:MAX_CLAUSES], f"and {len(clauses) - MAX_CLAUSES} more"]
         return f"{head}: {'; '.join(clauses)}"
 
-    def _clauses(self) -> list[str]:
+    def _clauses(self, names: Mapping[str, str]) -> list[str]:
         groups: dict[tuple[str, object], list[SlowRank]] = {}
         for s in self.slow:
             key = s.node if s.blame == "node" else s.stage if s.blame == "stage" else None
             groups.setdefault((s.blame, key), []).append(s)
         nodes = sorted((g for (blame, _), g in groups.items() if blame == "node"),
                        key=lambda g: (-_median([s.ratio for s in g]), g[0].rank))
-        clauses = [f"node {g[0].node} (ranks {_ranges([s.rank for s in g])}) slow together "
-                   f"{_median([s.ratio for s in g]):.2f}x" for g in nodes]
+        clauses = [f"node {names.get(g[0].node, g[0].node)} (ranks {_ranges([s.rank for s in g])}) slow "
+                   f"together {_median([s.ratio for s in g]):.2f}x" for g in nodes]
         for stage, ratio in sorted(self.stages, key=lambda x: -x[1]):
             members = groups.get(("stage", stage), [])
             where = f" (ranks {_ranges([s.rank for s in members])})" if members else ""
@@ -136,7 +137,7 @@ class StragglerReport:
         alone = groups.get(("rank", None), [])
         if len(alone) == 1:
             s = alone[0]
-            where = f" on node {s.node}" if s.node else ""
+            where = f" on node {names.get(s.node, s.node)}" if s.node else ""
             clauses.append(f"rank {s.rank}{where} slow alone {s.ratio:.2f}x with normal data")
         elif alone:
             clauses.append(f"{len(alone)} ranks slow alone with normal data, up to "

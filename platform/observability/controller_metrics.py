@@ -84,10 +84,10 @@ class ControllerMetrics:
         # Per rank, built at scrape time (observability/heartbeat_series.py: 16,384 ranks a poll).
         self.heartbeats = HeartbeatSeries(job, labels, r)
         self.diag_ok = Gauge("longrun_diagnostics_ok", "Last diagnostic result per node and check (1 = ok).",
-                             (*labels, "node", "check"), registry=r)
+                             (*labels, "node", "node_id", "check"), registry=r)
         self.diag_time = Gauge("longrun_diagnostics_duration_seconds",
                                "Duration of the last diagnostic per node and check.",
-                               (*labels, "node", "check"), registry=r)
+                               (*labels, "node", "node_id", "check"), registry=r)
         self.goodput = Gauge("longrun_goodput_ratio", "Share of the job's wall time that trained steps "
                              "which count (productive seconds over all seconds accounted).", labels,
                              registry=r)
@@ -185,23 +185,30 @@ class ControllerMetrics:
         self.resizes.labels(self.job, direction).inc()
         self.set_size(nodes, world_size)
 
-    def heartbeat_age(self, rank: int, node: str, seconds: float, sent_at: float | None = None) -> None:
-        self.heartbeats.set(rank, node, seconds, sent_at)
+    def heartbeat_age(self, rank: int, node: str, seconds: float, sent_at: float | None = None,
+                      node_id: str | None = None) -> None:
+        """`node`: the rank's node as a person reads it ("host (address)"), `node_id` its Ray id
+        (None: `node` is the id)."""
+        self.heartbeats.set(rank, node, seconds, sent_at, node_id)
 
     def heartbeat_ages(self, ranks: np.ndarray, nodes: Sequence[str], ages: np.ndarray,
-                       sent_at: np.ndarray) -> None:
-        """Many ranks' at once (`nodes[r]`: rank r's node), without a loop over them."""
-        self.heartbeats.set_many(ranks, nodes, ages, sent_at)
+                       sent_at: np.ndarray, node_ids: Sequence[str] | None = None) -> None:
+        """Many ranks' at once (`nodes[r]`: rank r's node by name, `node_ids[r]` by id), without a
+        loop over them."""
+        self.heartbeats.set_many(ranks, nodes, ages, sent_at, node_ids)
 
     def forget_ranks(self) -> None:
         """Drop every rank's heartbeat series (an attempt ended): a rank that is gone must not
         keep showing its last age, and the next attempt may place it on another node."""
         self.heartbeats.clear()
 
-    def diagnostics(self, node: str, check: str, ok: bool, seconds: float) -> None:
+    def diagnostics(self, node: str, check: str, ok: bool, seconds: float,
+                    node_id: str | None = None) -> None:
+        """`node` by name, `node_id` by Ray id (None: `node` is the id)."""
         check = bounded(check, DIAGNOSTIC_CHECKS, "diagnostic check")
-        self.diag_ok.labels(self.job, node, check).set(1 if ok else 0)
-        self.diag_time.labels(self.job, node, check).set(seconds)
+        node_id = node if node_id is None else node_id
+        self.diag_ok.labels(self.job, node, node_id, check).set(1 if ok else 0)
+        self.diag_time.labels(self.job, node, node_id, check).set(seconds)
 
     def group_init(self, phase: str, seconds: float) -> None:
         self.group_init_time.labels(self.job, bounded(phase, INIT_PHASES, "init phase")).set(seconds)

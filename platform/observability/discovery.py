@@ -9,7 +9,7 @@ start; a static scrape config cannot know them. The controller knows, so it publ
     ObservabilityServer(registry, targets=lambda: groups)  # GET /sd, for http_sd_configs
     write_file_sd("/etc/prometheus/longrun/my-run.json", groups)  # for file_sd_configs
 
-Target labels are job, attempt, rank, node (as on the series themselves) plus role
+Target labels are job, attempt, rank, node, node_id (as on the series themselves) plus role
 (controller or worker), so `up{job="my-run", role="worker"}` counts the live workers. See
 vocab.py for why the target label is `job` and the scrape config sets honor_labels.
 """
@@ -29,16 +29,20 @@ ROLE_WORKER = "worker"
 
 
 def target_groups(job: str, attempt: int, endpoints: Mapping[int, tuple[str, str]],
-                  controller_endpoint: str | None = None) -> list[dict]:
+                  controller_endpoint: str | None = None,
+                  names: Mapping[str, str] | None = None) -> list[dict]:
     """http_sd / file_sd target groups: one per worker (rank -> ("host:port", node)), ranks in
     order, then the controller's. The controller's group has no attempt label: its series
-    span attempts (see ControllerMetrics)."""
+    span attempts (see ControllerMetrics). With `names` (node id -> "host (address)"), the
+    label `node` is the node's name and `node_id` its id, as on the workers' series."""
     groups = []
     for rank in sorted(endpoints):
         address, node = endpoints[rank]
+        labels = {"job": job, "attempt": str(attempt), "rank": str(rank), "node": str(node)}
+        if names is not None:
+            labels |= {"node": names.get(node, str(node)), "node_id": str(node)}
         groups.append({"targets": [_address(address, f"rank {rank}")],
-                       "labels": {"job": job, "attempt": str(attempt), "rank": str(rank),
-                                  "node": str(node), "role": ROLE_WORKER}})
+                       "labels": labels | {"role": ROLE_WORKER}})
     if controller_endpoint is not None:
         groups.append({"targets": [_address(controller_endpoint, "the controller")],
                        "labels": {"job": job, "role": ROLE_CONTROLLER}})

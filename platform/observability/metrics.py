@@ -1,6 +1,6 @@
 """Worker-side Prometheus metrics (the controller's are in controller_metrics.py).
 
-Names carry units, labels are bounded: job, attempt, rank, node on every series, plus `phase`
+Names carry units, labels are bounded: job, attempt, rank, node (and node_id) on every series, plus `phase`
 where a step's or a bring-up's time is split; never a step number or an error string. Each
 worker owns a private registry so several workers in one process (tests, a local run) do not
 collide, and serves it on loopback unless configured otherwise.
@@ -44,10 +44,13 @@ CP_SIZE_BUCKETS = tuple(float(2**i) for i in range(10))  # 1 .. 512
 
 
 class WorkerMetrics:
-    def __init__(self, job: str, rank: int, *, attempt: int = 0, node: str = "",
+    def __init__(self, job: str, rank: int, *, attempt: int = 0, node: str = "", node_id: str | None = None,
                  registry: CollectorRegistry | None = None):
+        """`node`: the rank's node as a person reads it ("host (address)"), `node_id` its Ray id
+        (None: `node` is the id)."""
         self.registry = registry or CollectorRegistry()
-        self._values = {"job": job, "attempt": str(attempt), "rank": str(rank), "node": node}
+        self._values = {"job": job, "attempt": str(attempt), "rank": str(rank), "node": node,
+                        "node_id": node if node_id is None else node_id}
         labels, r = WORKER_LABELS, self.registry
 
         def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:

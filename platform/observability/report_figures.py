@@ -115,7 +115,8 @@ def fault_color(e: dict[str, Any]) -> str:
 
 
 def _fault_text(e: dict[str, Any]) -> str:
-    where = ", ".join(f"{k} {e[k]}" for k in ("rank", "node", "step") if e.get(k) is not None)
+    shown = e | {"node": e.get("node_name") or e.get("node")}  # by name where the event has it
+    where = ", ".join(f"{k} {shown[k]}" for k in ("rank", "node", "step") if shown.get(k) is not None)
     return (f"<b>fault: {html.escape(str(e.get('fault', '?')))}</b> (attempt {e.get('attempt')}"
             f"{', ' + html.escape(where) if where else ''})<br>{wrap(e.get('reason', ''))}")
 

@@ -43,8 +43,9 @@ prometheus_client.disable_created_metrics()
 
 OTHER = "other"
 
-# Worker series: the four bounded identity labels of the house rules.
-WORKER_LABELS = ("job", "attempt", "rank", "node")
+# Worker series: the four bounded identity labels of the house rules; the node by the name a
+# person reads ("host (address)") and, as a second label, by its Ray id (node_names.py).
+WORKER_LABELS = ("job", "attempt", "rank", "node", "node_id")
 # Controller series span attempts (the attempt is the value of longrun_job_attempt): an attempt
 # label would split a counter like longrun_job_restarts_total into one series per attempt.
 CONTROLLER_LABELS = ("job",)

@@ -267,6 +267,8 @@ class FleetGroup:
     def __init__(self, spec: FleetSpec, start_wall: float):
         self.spec, self.waited_s = spec, 0.0
         self.node_ids = tuple(f"node-{k}" for k in range(spec.nodes))
+        self.node_names: dict[str, str] = {}  # named by their ids
+        self.pids: dict[int, int] = {}
         self._next = time.monotonic() + max(0.0, start_wall - time.time())
 
     def node_of(self, rank: int) -> str:

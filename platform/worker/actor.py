@@ -69,12 +69,14 @@ class TrainWorker:
     def assume(self, config: dict[str, Any], rank: int, attempt: int, redis_url: str,
                node_ids: list[str] | None = None, resume_before_step: int | None = None,
                skip_steps: list[tuple[int, int]] | None = None,
-               snapshots: dict[str, Any] | None = None, beat_address: str | None = None) -> int:
+               snapshots: dict[str, Any] | None = None, beat_address: str | None = None,
+               node_names: dict[str, str] | None = None) -> int:
         """`snapshots`: peer memory snapshots, from the controller (controller/keepers.py):
         the keepers to send to ("targets") and, after a fault, where to restore from
         ("restore": the step and each rank's keeper); None: off. `beat_address`: this node's
-        heartbeat agent (health.node_agents), None without one. Returns this process's pid, by
-        which the agent knows this rank's beats from anyone else's datagrams."""
+        heartbeat agent (health.node_agents), None without one. `node_names`: node id -> "host
+        (address)", the label a person reads on this rank's metrics. Returns this process's
+        pid, by which the agent knows this rank's beats from anyone else's datagrams."""
         self.cfg = JobConfig.model_validate(config)
         self.snapshots = snapshots
         self.rank = rank
@@ -84,6 +86,7 @@ class TrainWorker:
         self.resume_before_step = resume_before_step
         self.skip_steps = [tuple(w) for w in skip_steps or ()]  # [first, last] windows not to train on
         self.beat_address = beat_address
+        self.node_names = node_names or {}
         return os.getpid()
 
     def _redis(self):
@@ -154,7 +157,8 @@ class TrainWorker:
         health = cfg.health
         beat = HeartbeatPublisher(client, cfg.job.name, self.attempt, self.rank, health.heartbeat_interval_s,
                                   health.heartbeat_timeout_s, link=link).start()
-        metrics = WorkerMetrics(cfg.job.name, self.rank, attempt=self.attempt, node=node)
+        metrics = WorkerMetrics(cfg.job.name, self.rank, attempt=self.attempt,
+                                node=self.node_names.get(node, node), node_id=node)
         self._groups = None
         try:
             obs = cfg.observability
