@@ -81,6 +81,11 @@ def job_goodput_key(job: str) -> str:
     return f"{job_prefix(job)}goodput"
 
 
+def job_goodput_detail_key(job: str) -> str:
+    """Beside the summary: the per-step detail and running span a controller after a death needs."""
+    return f"{job_prefix(job)}goodput:detail"
+
+
 def job_storage_rate_key(job: str) -> str:
     """The storage rate per rank (bytes/s) the job's last restore from storage measured (its
     slowest rank's): what the restore's start-up deadline is sized by (health/startup.py)."""
