@@ -18,7 +18,8 @@ of times, and nothing there is read again. Under an attempt's prefix:
              <output_dir>/<job>/logs/attempt-A/rank-R.log
 
 The job record (state, events, restarts, evictions, skips), the attempt counter, the goodput
-summary and the measured storage rate are job-wide: they must survive every attempt, and they
+summary (and beside it the detail a controller taking over after a death needs) and the
+measured storage rate are job-wide: they must survive every attempt, and they
 are what `longrun status` reads.
 """
 
