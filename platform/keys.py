@@ -18,7 +18,8 @@ of times, and nothing there is read again. Under an attempt's prefix:
              <output_dir>/<job>/logs/attempt-A/rank-R.log
 
 The job record (state, events, restarts, evictions, skips), the attempt counter, the goodput
-summary and the measured storage rate are job-wide: they must survive every attempt, and they
+summary (and beside it the detail a controller taking over after a death needs) and the
+measured storage rate are job-wide: they must survive every attempt, and they
 are what `longrun status` reads.
 """
 
@@ -79,6 +80,11 @@ def job_stop_key(job: str) -> str:
 def job_goodput_key(job: str) -> str:
     """The goodput summary (a hash: seconds per bucket, goodput, wall time, recent faults)."""
     return f"{job_prefix(job)}goodput"
+
+
+def job_goodput_detail_key(job: str) -> str:
+    """Beside the summary: the per-step detail and running span a controller after a death needs."""
+    return f"{job_prefix(job)}goodput:detail"
 
 
 def job_storage_rate_key(job: str) -> str:

@@ -60,6 +60,9 @@ class FaultKind(enum.StrEnum):
 
 # Restart causes that are not faults of a rank: the placement could not be made in time.
 PLACEMENT_CAUSE = "placement"
+# The job's own controller died (a SIGKILL, its host lost): the next controller records it as a
+# fault of the attempt it was running (goodput/accounting.py), the time without one as controller_down.
+CONTROLLER_LOST = "controller_lost"
 
 
 class Phase(enum.StrEnum):

@@ -16,6 +16,7 @@ from clusters import committed_weights, simulated_cluster
 from longrun.config import config_from_dict
 from longrun.controller.controller import Controller, JobFailed, job_status
 from longrun.controller.job_state import JobRecordStore
+from longrun.goodput.summary import read_summary
 
 STEPS = 8
 
@@ -161,6 +162,13 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
     _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     events = job_status(redis_client, cfg.job.name, events=100)["events"]
     assert any(e["type"] == "resume" for e in events), events
+    # Goodput spans both controllers: the death is a fault, the time without a controller its own
+    # bucket, and the buckets fill the wall time by the clock from the first controller's start.
+    goodput = read_summary(redis_client, cfg.job.name)
+    assert goodput.buckets["controller_down"] > 0, goodput
+    assert [f["kind"] for f in goodput.faults] == ["controller_lost"], goodput.faults
+    assert sum(goodput.buckets.values()) == pytest.approx(goodput.wall_s, rel=0.02), goodput
+    assert goodput.unaccounted_s == pytest.approx(0.0, abs=0.01 * goodput.wall_s), goodput
 
 
 @pytest.mark.slow  # the suite's time: a removed node is in tests/test_memory_snapshots.py and a spare

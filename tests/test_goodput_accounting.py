@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from longrun.goodput.accounting import BUCKETS, Carried, GoodputAccount, Restore, StepRecord
+from longrun.goodput.accounting import BUCKETS, Carried, GoodputAccount, Restore, Span, StepRecord
 from longrun.goodput.summary import GoodputSummary, duration
 from longrun.kinds import JobState as S
 
@@ -123,6 +123,63 @@ def test_a_preemption_saves_and_a_rerun_continues_the_same_account():
     assert total["productive"] == pytest.approx(6.0) and total["restore_storage"] == pytest.approx(0.5)
     [stop] = b.faults
     assert (stop.kind, stop.last_step, stop.restored_step, stop.steps_lost) == ("preempted", 4, 4, 0)
+    # The clock agrees: 104 s since the first start, less the 92 s the job lay preempted.
+    assert (b.origin, b.paused_s, b.wall(104.0)) == (0.0, 92.0, 12.0)
+
+
+def carried_after_death(a: GoodputAccount, persisted_at: float, last_done: int,
+                        unread: list[StepRecord]) -> Carried:
+    """What a controller taking over finds after `a`'s controller died: the summary and detail
+    it persisted at `persisted_at`, and the ledger records of its attempt it never read."""
+    detail = a.carried_detail()
+    return Carried(a.buckets(persisted_at), [f.to_dict() for f in a.faults], max(a.frontier, last_done),
+                   ended="controller_lost", ended_at=persisted_at, attempt=0, origin=a.origin,
+                   paused_s=a.paused_s, accounted_to=a.accounted_to(persisted_at),
+                   detail=[tuple(d) for d in detail["detail"]],
+                   span=Span.from_dict(detail["span"]) if detail["span"] else None, steps=unread)
+
+
+def test_a_dead_controller_is_a_fault_its_downtime_a_bucket_and_an_older_restore_redoes_its_steps():
+    a = GoodputAccount(0.0)
+    placed(a, 0.0, 0)  # startup 0..1.5
+    a.began(0, Restore(None, "none", 0.0, at=2.0))  # startup 1.5..2
+    a.steps(0, records(1, 4, 2.0))  # 2..6, read and persisted at 6.5; then SIGKILL
+    assert a.accounted_to(6.5) == 6.0  # the running attempt: up to its newest record
+    # Its workers trained steps 5 and 6 (8.0) before Ray reaped them; the next controller starts at 20.
+    b = GoodputAccount(20.0, carried=carried_after_death(a, 6.5, 6, records(5, 6, 6.0)))
+    placed(b, 20.0, 1)  # startup 20..21.5
+    b.began(1, Restore(2, "storage", 1.0, at=23.0))  # startup 21.5..22, restore 22..23
+    b.resumed(1, 2, "storage")  # steps 3..6, trained under the dead controller, were lost
+    b.steps(1, records(3, 6, 23.0))
+    b.moved(S.SUCCEEDED, 27.5, attempt=1)  # shutdown 27..27.5
+    total = b.buckets()
+    assert_buckets(total, productive=2.0 + 4.0, redone=4.0, startup=2.0 + 2.0, restore_storage=1.0,
+                   controller_down=20.0 - 8.0, shutdown=0.5)
+    [death] = b.faults
+    assert (death.attempt, death.kind, death.declared_at, death.last_step) == (0, "controller_lost", 20.0, 6)
+    assert (death.restored_step, death.steps_lost, death.restored_from) == (2, 4, "storage")
+    # The wall time is the clock's, from the first controller's start; the buckets fill it.
+    assert b.wall(27.5) == 27.5 and sum(total.values()) == pytest.approx(b.accounted_to(27.5) - b.origin)
+    assert b.goodput() == pytest.approx(6.0 / 27.5)
+
+
+def test_a_controller_dead_outside_running_is_down_from_its_last_summary():
+    a = GoodputAccount(100.0)
+    placed(a, 100.0, 0)
+    a.steps(0, records(1, 2, 102.0))
+    a.attempt_ended(0, last_done=2)
+    a.moved(S.RECOVERING, 105.0, attempt=0, cause="dead")  # detection 104..105
+    # Persisted during the backoff at 106 (buckets up to then), then killed; a rerun at 130.
+    b = GoodputAccount(130.0, carried=carried_after_death(a, 106.0, 2, []))
+    total = b.buckets(130.0)
+    assert total["controller_down"] == pytest.approx(24.0) and total["backoff"] == pytest.approx(1.0)
+    assert sum(total.values()) == pytest.approx(b.wall(130.0)) == pytest.approx(30.0)
+    assert [f.kind for f in b.faults] == ["dead", "controller_lost"]
+    placed(b, 130.0, 1)
+    b.began(1, Restore(1, "memory", 0.5, at=132.0))
+    b.resumed(1, 1, "memory")  # both faults resolve at the one restore
+    assert [(f.restored_step, f.steps_lost) for f in b.faults] == [(1, 1), (1, 1)]
+    assert b.buckets()["redone"] == pytest.approx(1.0)  # step 2's time, carried in the detail
 
 
 def test_an_elastic_job_waiting_for_nodes_and_growing_back():

@@ -286,3 +286,5 @@ def test_goodput_series_cover_every_bucket_and_follow_the_account():
     c.set_goodput({"productive": 40.0, "redone": 5.0, "startup": 5.0})  # a fault's lost work moved
     assert seconds() == dict.fromkeys(BUCKETS, 0.0) | {"productive": 40.0, "redone": 5.0, "startup": 5.0}
     assert families(c.registry)["longrun_goodput_ratio"].samples[0].value == 0.8
+    c.set_goodput({"productive": 40.0, "redone": 5.0, "startup": 5.0}, wall_s=80.0)  # the clock's wall
+    assert families(c.registry)["longrun_goodput_ratio"].samples[0].value == 0.5

@@ -374,7 +374,7 @@ class GoodputListener(Listener):
                            resize=decision is not None and decision.action is Action.RESIZE,
                            cause=decision.cause.kind if decision is not None and decision.cause else None)
         summary = self.tracker.summary()
-        self.metrics.set_goodput(summary.buckets)
+        self.metrics.set_goodput(summary.buckets, summary.wall_s)
         if move.target.terminal or move.target is JobState.RECOVERING:  # also in the log status reads
             self.on_event(summary.describe())
 
@@ -388,7 +388,8 @@ class GoodputListener(Listener):
 
     def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
         self.tracker.poll(attempt.number)
-        self.metrics.set_goodput(self.tracker.summary().buckets)
+        summary = self.tracker.summary()
+        self.metrics.set_goodput(summary.buckets, summary.wall_s)
 
     def ending(self, attempt: Attempt) -> None:
         self.tracker.ending(attempt.number)

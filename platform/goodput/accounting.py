@@ -10,6 +10,7 @@
     ...
     account.resumed(1, step=5, source="memory")   # the lowest step any rank of attempt 1 restored
     account.buckets(now)    # {bucket: seconds}, summing to the wall time accounted so far
+    account.accounted_to(now)   # ... which is the clock from account.origin to here (less paused_s)
 
 The controller's states give the outline: PENDING, PLACING, DIAGNOSING and RENDEZVOUS are
 startup (PLACING after an elastic job began waiting for nodes is waiting_for_nodes),
@@ -25,6 +26,15 @@ When an attempt restores step r, the productive time of every earlier record of 
 r moves to redone: that work was lost. Steps lost per fault are the newest step any rank
 finished in the failing attempt (the ledger's `done`) minus the step the next attempt restored.
 
+One job, several controllers (`Carried`): a rerun after PREEMPTED or after its controller died
+continues the buckets, the faults and the per-step detail the previous one persisted, so a
+restore of an older step still moves that work to redone. After a death, the ledger records the
+dead controller never read continue its attempt's span, the death is a fault (`controller_lost`)
+and the time from the last moment accounted to the new controller's start is controller_down.
+The wall time is the clock's: from the first controller's start (`origin`) to now, less the time
+the job lay preempted between runs (`paused_s`, a deliberate stop); the buckets are accumulated
+separately and must add up to it (`accounted_to` - `origin` - `paused_s`), which is checked.
+
 A week-long job must not grow this object: per-step detail is kept only for the newest
 `window_steps` steps (the ones a restore could still send back; default a few checkpoint
 intervals), older steps are only sums, and the fault list keeps the last `max_faults`.
@@ -39,11 +49,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from longrun.kinds import JobState
+from longrun.kinds import CONTROLLER_LOST, JobState
 
 BUCKETS = ("productive", "redone", "startup", "restore_memory", "restore_storage", "checkpoint",
-           "snapshot", "data_wait", "detection", "backoff", "waiting_for_nodes", "preemption_save",
-           "shutdown")
+           "snapshot", "data_wait", "detection", "backoff", "controller_down", "waiting_for_nodes",
+           "preemption_save", "shutdown")
 LOSSES = BUCKETS[1:]  # everything that is not productive
 RESTORE_SOURCES = ("memory", "storage", "none")
 
@@ -135,8 +145,9 @@ class Fault:
 
 
 @dataclass
-class _Span:
-    """One attempt's time in RUNNING and PREEMPTING."""
+class Span:
+    """One attempt's time in RUNNING and PREEMPTING (persisted, less its restore, so a controller
+    that takes over after a death continues it from the ledger)."""
 
     attempt: int
     start: float
@@ -146,6 +157,13 @@ class _Span:
     productive: float = 0.0  # this span's productive seconds, so a skewed clock can be clipped
     declared_at: float | None = None
     kind: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "restore"}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Span:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "restore"})
 
 
 @dataclass
@@ -160,6 +178,12 @@ class Carried:
     ended: str | None = None
     ended_at: float | None = None
     attempt: int | None = None
+    origin: float | None = None  # the first controller's start (None: a summary from before the clock)
+    paused_s: float = 0.0  # the time the job lay preempted between runs: off the clock
+    accounted_to: float | None = None  # the buckets account up to here (None: ended_at)
+    detail: list[tuple[int, float]] = field(default_factory=list)  # (step, productive s), the window
+    span: Span | None = None  # the attempt the previous controller was running, if it died there
+    steps: list[StepRecord] = field(default_factory=list)  # that attempt's records it never read
 
 
 class GoodputAccount:
@@ -167,29 +191,62 @@ class GoodputAccount:
                  carried: Carried | None = None):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
-        self.started_at = started_at
+        self.started_at = started_at  # this controller's start
+        self.origin = started_at  # the job's: where its wall clock starts
+        self.paused_s = 0.0
         self.seconds = dict.fromkeys(BUCKETS, 0.0)
         self.faults: deque[Fault] = deque(maxlen=max_faults)
         self.frontier = 0  # the newest step trained on the job's current path
         self._pending: list[Fault] = []  # faults whose next restore is not known yet
-        if carried is not None:
-            for bucket, seconds in carried.buckets.items():
-                if bucket in self.seconds:
-                    self.seconds[bucket] += float(seconds)
-            self.faults.extend(Fault.from_dict(f) for f in carried.faults)
-            self.frontier = carried.last_step
-            if carried.ended == JobState.PREEMPTED:  # the stop is the "fault"; the rerun's restore its cost
-                stop = Fault(carried.attempt if carried.attempt is not None else -1, "preempted",
-                             carried.ended_at or started_at, carried.last_step)
-                self.faults.append(stop)
-                self._pending.append(stop)
         self.state = JobState.PENDING
         self._since = started_at
         self._waiting_since: float | None = None
-        self._span: _Span | None = None
+        self._span: Span | None = None
         self._detail: deque[tuple[int, float]] = deque()  # (step, productive seconds), step order
         self._window = window_steps
         self._resumed: dict[int, int] = {}  # attempt -> the lowest step it restored (applied)
+        if carried is not None:
+            self._continue(carried)
+
+    def _continue(self, carried: Carried) -> None:
+        """Take over from the controller before this one (see the module's docstring)."""
+        now = self.started_at
+        for bucket, seconds in carried.buckets.items():
+            if bucket in self.seconds:
+                self.seconds[bucket] += float(seconds)
+        self.faults.extend(Fault.from_dict(f) for f in carried.faults)
+        for fault in reversed(self.faults):  # the newest ones the next restore still has to resolve
+            if fault.steps_lost is not None:
+                break
+            self._pending.insert(0, fault)
+        self.frontier = carried.last_step
+        self._detail.extend((int(step), float(s)) for step, s in carried.detail[-self._window:])
+        last = carried.accounted_to if carried.accounted_to is not None else carried.ended_at or now
+        # A summary written before the clock was persisted: its buckets were its wall time.
+        self.origin = carried.origin if carried.origin is not None else last - sum(self.seconds.values())
+        self.paused_s = carried.paused_s
+        attempt = carried.attempt if carried.attempt is not None else -1
+        if carried.ended == JobState.PREEMPTED:  # the stop is the "fault"; the rerun's restore its cost
+            self.paused_s += max(0.0, now - last)  # stopped on purpose: off the clock
+            fault = Fault(attempt, "preempted", carried.ended_at or now, carried.last_step)
+        else:  # its controller died: what its attempt trained meanwhile, then nothing ran
+            if carried.span is not None:
+                last = self._continue_span(carried.span, carried.steps, now)
+            self.seconds["controller_down"] += max(0.0, now - min(last, now))
+            fault = Fault(attempt, CONTROLLER_LOST, now, self.frontier)
+        self.faults.append(fault)
+        self._pending.append(fault)
+
+    def _continue_span(self, span: Span, records: list[StepRecord], now: float) -> float:
+        """The dead controller's running attempt, on from where it was accounted, by the ledger
+        records it never read; returns up to when that accounts (its newest record)."""
+        for r in sorted(records, key=lambda r: r.step):
+            if span.last_step is not None and r.step <= span.last_step:
+                continue
+            if span.cursor is None:
+                self._begin(span, r.start)
+            self._record(span, r)
+        return self._tail_start(span, now)
 
     # -- the controller's moves ----------------------------------------------------------------
     def moved(self, target: JobState, at: float, *, attempt: int, resize: bool = False,
@@ -207,7 +264,7 @@ class GoodputAccount:
         self.state, self._since = target, at
         self._waiting_since = None
         if target is JobState.RUNNING:
-            self._span = _Span(attempt, at)
+            self._span = Span(attempt, at)
 
     def waiting(self, at: float) -> None:
         """An elastic job in PLACING began waiting for nodes (time from here is waiting_for_nodes)."""
@@ -274,13 +331,32 @@ class GoodputAccount:
                 out[bucket] += seconds
         return out
 
+    def accounted_to(self, now: float) -> float:
+        """The moment `buckets(now)` account up to: `now` outside RUNNING, a running attempt's
+        newest step record (or its start, before training began), a terminal state's move."""
+        span = self._span
+        if self.state in _RUNNING and span is not None:
+            return span.cursor if span.cursor is not None else span.start
+        return self._since if self.state.terminal else max(now, self._since)
+
+    def wall(self, now: float) -> float:
+        """The job's wall time by the clock: from its first controller's start, less paused_s."""
+        return now - self.origin - self.paused_s
+
     def goodput(self, now: float | None = None) -> float:
-        b = self.buckets(now)
-        wall = sum(b.values())
-        return b["productive"] / wall if wall > 0 else 0.0
+        """Productive seconds over the clock's wall time up to `now` (None: up to what is accounted)."""
+        wall = self.wall(self.accounted_to(self._since) if now is None else now)
+        return self.buckets(now)["productive"] / wall if wall > 0 else 0.0
+
+    def carried_detail(self) -> dict[str, Any]:
+        """What a controller taking over after this one's death needs beyond the summary: the
+        per-step detail of the window and the running attempt's span (JSON-ready, bounded)."""
+        span = self._span if self.state in _RUNNING else None
+        return {"detail": [[step, round(s, 6)] for step, s in self._detail],
+                "span": span.to_dict() if span is not None else None}
 
     # -- the pieces ---------------------------------------------------------------------------
-    def _span_of(self, attempt: int) -> _Span | None:
+    def _span_of(self, attempt: int) -> Span | None:
         span = self._span
         return span if span is not None and span.attempt == attempt else None
 
@@ -297,7 +373,7 @@ class GoodputAccount:
         for bucket, seconds in self._outside(state, start, end):
             self.seconds[bucket] += seconds
 
-    def _begin(self, span: _Span, began: float) -> None:
+    def _begin(self, span: Span, began: float) -> None:
         """Training began at `began`: the time before it is the restore (its own seconds, just
         before `began`) and startup (placement was outside RUNNING; this is process start,
         groups, building the model)."""
@@ -310,7 +386,7 @@ class GoodputAccount:
         self.seconds["startup"] += began - span.start - restore_s
         span.cursor = began
 
-    def _record(self, span: _Span, r: StepRecord) -> None:
+    def _record(self, span: Span, r: StepRecord) -> None:
         span.last_step = r.step
         took = max(0.0, r.end - span.cursor)
         span.cursor = max(span.cursor, r.end)
@@ -330,6 +406,17 @@ class GoodputAccount:
             self._detail.popleft()  # too old to be sent back by any restore we keep detail for
         self.frontier = max(self.frontier, r.step)
 
+    def _tail_start(self, span: Span, at: float) -> float:
+        """Where the span's time is accounted up to, no later than `at` (the controller's clock):
+        when the workers' clock ran ahead of it, the excess is clipped from productive time."""
+        tail_start = span.cursor if span.cursor is not None else span.start
+        if tail_start > at:
+            clip = min(tail_start - at, span.productive, self.seconds["productive"])
+            self.seconds["productive"] -= clip
+            span.productive -= clip
+            tail_start = at
+        return tail_start
+
     def _redo_after(self, step: int) -> None:
         while self._detail and self._detail[-1][0] > step:
             _, seconds = self._detail.pop()
@@ -342,11 +429,7 @@ class GoodputAccount:
             return
         if span.cursor is None and span.restore is not None:
             self._begin(span, span.restore.at)
-        tail_start = span.cursor if span.cursor is not None else span.start
-        if tail_start > at:  # the workers' clock ran ahead of the controller's: clip
-            clip = min(tail_start - at, span.productive, self.seconds["productive"])
-            self.seconds["productive"] -= clip
-            tail_start = at
+        tail_start = self._tail_start(span, at)
         fault = (target is JobState.RECOVERING and not resize) or target is JobState.FAILED
         if fault:
             declared = min(max(span.declared_at or at, tail_start), at)

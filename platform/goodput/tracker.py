@@ -7,7 +7,7 @@ persisted. Torch-free; the controller drives it through a listener (controller/l
     tracker.poll(n)       # each heartbeat interval: new step records and restores (fails fast)
     tracker.ending(n)     # the attempt's workers are gone, its keys not yet deleted: the rest
     tracker.recovery(n)   # (step restored, steps lost) once every rank of attempt n restored
-    tracker.summary()     # GoodputSummary: buckets, goodput, faults
+    tracker.summary()     # GoodputSummary: buckets, goodput, faults, the clock they add up to
     tracker.storage_rate  # bytes/s per rank of the last restore from storage (its slowest rank's)
 
 Polls read through the controller's fail-fast client (a miss is read next time: records stay in
@@ -24,10 +24,17 @@ from typing import Any, Protocol
 import redis
 
 from longrun import keys
-from longrun.goodput.accounting import Carried, GoodputAccount, Restore, StepRecord
+from longrun.goodput.accounting import Carried, GoodputAccount, Restore, Span, StepRecord
 from longrun.goodput.ledger import LedgerRead, LedgerReader
-from longrun.goodput.summary import GoodputSummary, delete_summary, read_summary, write_summary
-from longrun.kinds import JobState
+from longrun.goodput.summary import (
+    GoodputSummary,
+    delete_summary,
+    read_detail,
+    read_summary,
+    write_detail,
+    write_summary,
+)
+from longrun.kinds import CONTROLLER_LOST, JobState
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ class GoodputTracker:
         # rank's: the one the others waited for), kept in Redis across controllers; what the
         # restore's start-up deadline is sized by (health/startup.py). None: nothing measured.
         self.storage_rate: float | None = None
+        self._detail_written: object = None  # what the detail key holds (written when it changes)
         # Told what the ledger says as it is read, in order: `resumed(attempt, step, source, s)`
         # once every rank restored, then `steps(attempt, records)` (the progress line, the
         # journal, TensorBoard): the records are consumed here, so this is their one reader.
@@ -83,14 +91,20 @@ class GoodputTracker:
         summary = read_summary(self.client, self.job)
         if summary is None:
             return None
-        last_step = summary.last_step
+        detail = read_detail(self.client, self.job)
+        last_step, span, records = summary.last_step, None, []
         if not state.terminal and attempt is not None:
-            # The previous controller died: its attempt's ledger knows steps it never persisted.
-            done = self.reader.read(self.client, attempt, restores=False, done=True).last_done
-            last_step = max(last_step, done or 0)
+            # The previous controller died: its attempt's ledger knows steps it never read.
+            read = self.reader.read(self.client, attempt, restores=False, done=True, everything=True)
+            last_step = max(last_step, read.last_done or 0)
+            records = read.steps
+            if detail.get("span") and detail["span"].get("attempt") == attempt:
+                span = Span.from_dict(detail["span"])
         return Carried(summary.buckets, summary.faults, last_step,
-                       ended=str(state) if state is JobState.PREEMPTED else "controller_lost",
-                       ended_at=summary.updated_at, attempt=attempt)
+                       ended=str(state) if state is JobState.PREEMPTED else CONTROLLER_LOST,
+                       ended_at=summary.updated_at, attempt=attempt, origin=summary.origin,
+                       paused_s=summary.paused_s, accounted_to=summary.accounted_to,
+                       detail=[tuple(d) for d in detail.get("detail", [])], span=span, steps=records)
 
     def moved(self, target: JobState, at: float, *, attempt: int, world_size: int, resize: bool = False,
               cause: str | None = None) -> None:
@@ -141,12 +155,22 @@ class GoodputTracker:
         account, now = self.account, self.wall()
         return GoodputSummary(buckets=account.buckets(now), faults=[f.to_dict() for f in account.faults],
                               updated_at=now, last_step=account.frontier, state=str(account.state),
-                              attempt=self.attempt)
+                              attempt=self.attempt, origin=account.origin, paused_s=account.paused_s,
+                              accounted_to=account.accounted_to(now))
 
     def persist(self, client: Any) -> GoodputSummary:
         summary = self.summary()
+        if summary.state and JobState(summary.state).terminal and abs(summary.unaccounted_s) > 1.0:
+            log.warning("goodput buckets miss %.1f s of the job's %.1f s by the clock (a bug in "
+                        "goodput/accounting.py)", summary.unaccounted_s, summary.wall_s)
+        detail = self.account.carried_detail()
         try:
-            write_summary(client, self.job, summary)
+            with client.pipeline(transaction=True) as pipe:  # the two agree, or neither is written
+                write_summary(pipe, self.job, summary)
+                if detail != self._detail_written:  # a step or a move since the last write
+                    write_detail(pipe, self.job, detail)
+                pipe.execute()
+            self._detail_written = detail
         except (redis.RedisError, OSError) as exc:  # reporting must not stop the job
             log.warning("goodput summary not written: %s", exc)
         return summary

@@ -89,7 +89,8 @@ class ControllerMetrics:
                                "Duration of the last diagnostic per node and check.",
                                (*labels, "node", "node_id", "check"), registry=r)
         self.goodput = Gauge("longrun_goodput_ratio", "Share of the job's wall time that trained steps "
-                             "which count (productive seconds over all seconds accounted).", labels,
+                             "which count (productive seconds over the job's wall time by the clock).",
+                             labels,
                              registry=r)
         # A gauge, though its values are totals: a fault moves seconds from productive to
         # redone once the next attempt says where it resumed (a counter must never fall), and a
@@ -156,9 +157,10 @@ class ControllerMetrics:
         self.steps_lost.labels(self.job).inc(steps_lost)
         self.last_steps_lost.labels(self.job).set(steps_lost)
 
-    def set_goodput(self, buckets: dict[str, float]) -> None:
-        """The job's seconds per goodput bucket so far (every bucket of accounting.BUCKETS)."""
-        wall = sum(buckets.values())
+    def set_goodput(self, buckets: dict[str, float], wall_s: float | None = None) -> None:
+        """The job's seconds per goodput bucket so far (every bucket of accounting.BUCKETS), and
+        its goodput over `wall_s`, its wall time by the clock (None: the buckets' sum)."""
+        wall = sum(buckets.values()) if wall_s is None else wall_s
         for bucket in BUCKETS:
             self.job_seconds.labels(self.job, bucket).set(buckets.get(bucket, 0.0))
         self.goodput.labels(self.job).set(buckets.get("productive", 0.0) / wall if wall > 0 else 0.0)

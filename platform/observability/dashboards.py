@@ -108,16 +108,18 @@ def overview() -> Dashboard:
                   kind="stat", unit="percentunit", width=6,
                   thresholds=((None, "red"), (0.8, "orange"), (0.95, "green")),
                   description="Share of the job's wall time that trained steps which count: productive "
-                              "seconds over all seconds accounted, from the workers' step ledger. The "
-                              "stacked panel beside it says where the rest went."),
+                              "seconds (from the workers' step ledger) over the wall time by the clock "
+                              "since the job's first controller started. The stacked panel beside it "
+                              "says where the rest went."),
             Panel("Time by bucket", (Target(f"sum by (bucket) ({sel('longrun_job_seconds_total')})",
                                             "{{bucket}}"),),
                   unit="s", width=18, stack=True,
                   description="The job's wall time so far, every second in one bucket: productive, redone "
                               "(steps trained again after a fault), startup, restore by source, checkpoint, "
                               "snapshot and data-wait blocking, detection (fault to declaration), backoff, "
-                              "waiting for nodes, preemption save, shutdown. A running attempt is accounted "
-                              "up to its newest step."),
+                              "controller down (no controller after one died), waiting for nodes, "
+                              "preemption save, shutdown. A running attempt is accounted up to its newest "
+                              "step."),
             Row("Training"),
             Panel("Throughput", (Target(f"sum by (job) (rate({sel('longrun_train_tokens_total', rank=True)}"
                                         f"[{RATE}]))", "{{job}}"),), unit=TOKENS_PER_S, width=8,

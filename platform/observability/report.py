@@ -99,8 +99,9 @@ def header(journal: Journal) -> Header:
     goodput = None
     if journal.goodput and isinstance(journal.goodput.get("buckets"), dict):
         g = journal.goodput
-        goodput = GoodputSummary(buckets={b: float(s) for b, s in g["buckets"].items() if figs.finite(s)},
-                                 faults=g.get("faults") or []).describe()
+        buckets = {b: float(s) for b, s in g["buckets"].items() if figs.finite(s)}
+        summary = GoodputSummary.from_dict(g | {"buckets": buckets, "faults": g.get("faults") or []})
+        goodput = summary.describe()
     return Header(job_name(journal.run_dir), state, reason, len(attempts), max(steps) if steps else None,
                   goodput, faults)
 

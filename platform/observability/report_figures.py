@@ -39,7 +39,8 @@ SOURCE_COLORS = {"storage": "#1f77b4", "memory": "#2ca02c", "none": "#7f7f7f"}
 BUCKET_COLORS = {"productive": "#31a354", "redone": "#d62728", "startup": "#9ecae1",
                  "restore_memory": "#74c476", "restore_storage": "#3182bd", "checkpoint": "#6baed6",
                  "snapshot": "#a1d99b", "data_wait": "#fdd0a2", "detection": "#e6550d", "backoff": "#fd8d3c",
-                 "waiting_for_nodes": "#bdbdbd", "preemption_save": "#9467bd", "shutdown": "#636363"}
+                 "controller_down": "#252525", "waiting_for_nodes": "#bdbdbd", "preemption_save": "#9467bd",
+                 "shutdown": "#636363"}
 SHOWN_ELSEWHERE = {"transition", "fault", "resumed", "recovered", "resized"}
 
 
