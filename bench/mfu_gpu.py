@@ -36,11 +36,8 @@ Progress goes to stderr; the last line on stdout is one JSON object.
 
 Issue 40's switches (each works with `--device cpu --tiny` too):
 
-    --compile none|blocks|model      training.compile (regional per-block compile, or the model)
+    --compile auto|none|blocks|model training.compile (default auto: blocks on CUDA; none: eager)
     --ac none|full|selective         training.activation_checkpointing
-    --autocast                       weights stay fp32 and bf16 is autocast's (the path before
-                                     issue 40); default: FSDP2 holds bf16 copies of the fp32
-                                     master weights on a one-rank mesh (parallel/precision.py)
     --profile                        device time of one profiled step by kind (matmul,
                                      elementwise, attention, communication, other), the
                                      share of the step the device was busy, and the 12
@@ -115,12 +112,10 @@ def parse_args():
     cli.add_argument("--layers", type=int, default=MODEL_1B["n_layers"], help="model.n_layers")
     cli.add_argument("--peak-tflops", type=float, default=None,
                      help="the GPU's bf16 dense peak in TFLOP/s (overrides the table)")
-    cli.add_argument("--compile", choices=("none", "blocks", "model"), default="none",
-                     help="training.compile (default none)")
+    cli.add_argument("--compile", choices=("auto", "none", "blocks", "model"), default="auto",
+                     help="training.compile (default auto: blocks on CUDA)")
     cli.add_argument("--ac", choices=("none", "full", "selective"), default="none",
                      help="training.activation_checkpointing (default none)")
-    cli.add_argument("--autocast", action="store_true",
-                     help="fp32 weights cast by autocast instead of FSDP2's bf16 parameters")
     cli.add_argument("--profile", action="store_true",
                      help="device time of one profiled step by kind, and the busy share")
     cli.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
@@ -148,11 +143,6 @@ def main() -> None:
 
     cfg = make_config(model, args.device, tokens, grad_accum, warmup + steps + 2,
                       compile_mode=args.compile, ac=args.ac)
-    if args.autocast:
-        # The path before issue 40, for comparison: no FSDP2 wrapper, autocast casts each weight.
-        from longrun.parallel import parallelize as parallelize_module
-
-        parallelize_module.casts_parameters = lambda device, dtype: False
     trainer = Trainer(cfg, peak_flops=peak, progress=False)
     bf16_parameters = bool(getattr(trainer.parallel, "casts_parameters", False))
     n_params = trainer.model.num_params()

@@ -80,68 +80,22 @@ def compiled_pipeline_matches_eager(rank: int, world: int, init_file: str, resul
         results.put((rank, "error", traceback.format_exc()))
 
 
-def one_rank_fsdp_deferral(rank: int, world: int, init_file: str, results) -> None:
-    """The bf16-parameter path alone (forced on the CPU), three steps of three micro-batches,
-    with FSDP2's per-step deferral (`ShardedModel.micro_batch`) and without: (rank, same weight
-    names, names whose weights differ bitwise, [reductions per run] counted at FSDP2's
-    collectives)."""
-    try:
-        dist = _join(rank, world, init_file)
-        import torch
-        from sharded_workers import layout_config
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
-
-        from longrun.parallel import parallelize as parallelize_module
-        from longrun.parallel import precision
-        from longrun.parallel.sharded_model import ShardedModel
-        from longrun.trainer import Trainer
-
-        precision.casts_parameters = parallelize_module.casts_parameters = \
-            lambda device, dtype: dtype == "bfloat16"
-        counts = {"reduce": 0}
-
-        def counted(name, fn):
-            def call(*args, **kwargs):
-                counts[name] += 1
-                return fn(*args, **kwargs)
-            return call
-
-        group_module.foreach_reduce = counted("reduce", group_module.foreach_reduce)
-        cfg = layout_config({}, 1, training={"dtype": "bfloat16", "steps": 3, "grad_accum": 3})
-        weights, collectives = [], []
-        for defer in (True, False):
-            ShardedModel.defers_gradient_reduction = property(
-                lambda self, defer=defer: defer and self.fsdp_root is not None and self.size == 1)
-            counts.update(reduce=0)
-            with Trainer(cfg, "cpu", progress=False) as trainer:
-                assert trainer.parallel.casts_parameters
-                for _ in range(3):
-                    trainer.train_step()
-                weights.append({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
-                                for k, v in trainer.model.state_dict().items()})
-            collectives.append(dict(counts))
-        differ = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
-        results.put((rank, sorted(weights[0]) == sorted(weights[1]), differ, collectives))
-        dist.destroy_process_group()
-    except Exception:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def bf16_parameters_alone(rank: int, world: int, init_file: str, results) -> None:
-    """A process training alone with FSDP2's bf16 parameters (the CUDA path of precision.py,
-    forced on the CPU): (rank, layout, [bf16-parameter losses], [autocast losses], master weights' dtypes,
+def bf16_parameters(rank: int, world: int, init_file: str, results, parallelism: dict) -> None:
+    """Training at `parallelism` with CUDA's decision forced on the CPU (bf16 parameters where
+    FSDP2 shards): (rank, layout, [losses], [the CPU's autocast losses], master weights' dtypes,
     gradients' dtypes, compute dtype seen by a matmul, autocast used)."""
     try:
         dist = _join(rank, world, init_file)
         import torch
-        from sharded_workers import layout_config
+        from sharded_workers import _trainer, layout_config
 
+        from longrun.commgroup import form_groups, single_node_layout
         from longrun.parallel import parallelize as parallelize_module
         from longrun.parallel import precision
-        from longrun.trainer import Trainer
 
-        cfg = layout_config({}, 1, training={"dtype": "bfloat16", "steps": 3})
-        with Trainer(cfg, "cpu", progress=False) as plain:  # the CPU's own bf16: autocast
+        cfg = layout_config(parallelism, world, training={"dtype": "bfloat16", "steps": 3})
+        groups = form_groups(single_node_layout(cfg.dims), rank)
+        with _trainer(cfg, groups) as plain:  # the CPU's own bf16: autocast
             autocast_losses = [plain.train_step().loss for _ in range(3)]
         def forced(device, dtype):  # what casts_parameters says on CUDA
             return dtype == "bfloat16"
@@ -153,7 +107,7 @@ def bf16_parameters_alone(rank: int, world: int, init_file: str, results) -> Non
             seen.append(out.dtype)
             autocast.append(torch.is_autocast_enabled("cpu"))
 
-        with Trainer(cfg, "cpu", progress=False) as trainer:
+        with _trainer(cfg, groups) as trainer:
             module = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
             module.register_forward_hook(watch)
             losses = [trainer.train_step().loss for _ in range(3)]

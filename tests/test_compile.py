@@ -91,6 +91,17 @@ def test_a_compiled_job_trains_30_steps_like_the_eager_one_without_recompiling()
     assert eager_metrics[0].loss - metrics[-1].loss > 1.0  # it learned
 
 
+def test_auto_compiles_the_blocks_on_cuda_and_nothing_on_the_cpu():
+    from longrun.parallel.compile import resolved_mode
+
+    default = config_from_dict({"job": {"name": "t"}}).training.compile
+    assert default == "auto" and _cfg("auto").training.compile == "auto"
+    assert resolved_mode("auto", torch.device("cuda", 0)) == "blocks"
+    assert resolved_mode("auto", torch.device("cpu")) == "none"
+    explicit = ("none", "blocks", "model")
+    assert [resolved_mode(m, torch.device("cuda")) for m in explicit] == list(explicit)
+
+
 def test_compile_mode_is_checked_where_it_is_set():
     with pytest.raises(ConfigError, match=r"training\.compile"):
         _cfg("everything")

@@ -40,9 +40,9 @@ before it:
    mesh's ("replicate", "shard") dimensions, which shards parameters, gradients and optimizer
    state over "shard" and all-reduces across "replicate" (HSDP; pure replication when fsdp is
    1, so TP x DP and TP x CP compose through the same path). With bf16 on CUDA, FSDP2 also
-   holds the weights' bf16 copies (`precision.py`): at a span of one rank too, and a process
-   training alone gets a one-rank mesh for it. The model is materialised on `device` here
-   (`materialise`): before DDP, after FSDP.
+   holds the weights' bf16 copies (`precision.py`); where nothing is sharded or the span is
+   one rank, autocast casts them (measured faster alone). The model is materialised on
+   `device` here (`materialise`): before DDP, after FSDP.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from longrun.config.sections import TrainingSection
 from longrun.parallel.activation_checkpointing import apply_activation_checkpointing
-from longrun.parallel.compile import apply_compile
+from longrun.parallel.compile import apply_compile, resolved_mode
 from longrun.parallel.data_parallel import DataParallel, summing_ddp
 from longrun.parallel.dims import ParallelDims
 from longrun.parallel.parallel_model import ParallelModel
 from longrun.parallel.pipeline import PipelinedModel, PipelinePlan, StageDDP
-from longrun.parallel.precision import casts_parameters, mixed_precision, one_rank_mesh
+from longrun.parallel.precision import casts_parameters, mixed_precision
 
 
 def materialise(module: torch.nn.Module, device: torch.device) -> None:
@@ -120,7 +120,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSe
     # Step 3: activation checkpointing.
     apply_activation_checkpointing(model, training.activation_checkpointing)
     # Step 4: compile.
-    apply_compile(model, training.compile)
+    apply_compile(model, resolved_mode(training.compile, device))
     # Step 5: gradient synchronisation, and memory for this rank's pieces.
     if pipe is not None:
         _sync_stages(pipe, dims, training, span_group=span_group, mesh=mesh, device=device)
@@ -130,16 +130,11 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSe
 
     bf16 = casts_parameters(device, training.dtype)
     if not dims.sharded:
-        if not (bf16 and dims.world_size == 1):
-            materialise(model, device)
-            return DataParallel(model, span_group, bucket_mb=training.grad_sync_bucket_mb, prime=prime)
-        mesh = one_rank_mesh(device)  # alone on a GPU: FSDP2 only for its bf16 weights
+        materialise(model, device)
+        return DataParallel(model, span_group, bucket_mb=training.grad_sync_bucket_mb, prime=prime)
     root = None
-    if dims.span > 1 or bf16:
-        # Alone (a span of one), nothing is gathered between forward and backward: keeping the
-        # bf16 copies saves casting them again in backward.
-        root = apply_fsdp(model, _span_mesh(dims, mesh) if dims.sharded else mesh,
-                          reshard_after_forward=reshard_after_forward and dims.span > 1,
+    if dims.span > 1:  # FSDP2 where it shards; a span of one (TP alone) keeps autocast (precision.py)
+        root = apply_fsdp(model, _span_mesh(dims, mesh), reshard_after_forward=reshard_after_forward,
                           mp_policy=mixed_precision(device, training.dtype))
     materialise(model, device)
     return ShardedModel(model, span_group, fsdp_root=root, tensor_parallel=dims.tp > 1,

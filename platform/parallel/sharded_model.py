@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,27 +48,6 @@ class ShardedModel(ParallelModel):
         self.casts_parameters = casts_parameters
         # FSDP gathers each block's parameters in every micro-batch's forward: all ranks run all.
         self.syncs_every_micro_batch = fsdp_root is not None
-
-    @property
-    def defers_gradient_reduction(self) -> bool:
-        """FSDP2 over a span of one rank (a GPU training alone, for its bf16 weights; or tensor
-        parallelism alone): nothing is exchanged, so per micro-batch it would only copy. See
-        `micro_batch`."""
-        return self.fsdp_root is not None and self.size == 1
-
-    @contextlib.contextmanager
-    def micro_batch(self, last: bool) -> Iterator[None]:
-        """Alone (`defers_gradient_reduction`), a micro-batch that is not the step's last keeps
-        its gathered bf16 weights for the next one and accumulates its gradients unsharded, in
-        fp32 (FSDP2's own accumulation), instead of casting the weights again and "reducing"
-        over one rank into the sharded gradients every time; the last micro-batch reduces once
-        and frees. The fp32 sums are added in the same order either way. Only where every pass
-        ends a step with its last micro-batch: the CP calibration's lone passes need a span of
-        several ranks, so never come here."""
-        if self.defers_gradient_reduction:
-            self.fsdp_root.set_requires_gradient_sync(last)
-            self.fsdp_root.set_reshard_after_backward(last)
-        yield
 
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.tensor_parallel else contextlib.nullcontext()
