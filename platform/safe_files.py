@@ -14,7 +14,16 @@ truncates that file. So, here:
 - a file appended to or locked is opened with O_NOFOLLOW and must be a regular file
   (`open_append`, `open_lock`); O_NONBLOCK keeps a planted FIFO from blocking the open.
 
-Anything refused raises `UnsafePath` (an OSError, so best-effort writers keep going).
+Reading what others wrote (a checkpoint directory, a Hugging Face model directory) has its own
+traps: a name taken from a file (a manifest's list, an index's `weight_map`) may climb out of
+its directory (`../`, `/etc/...`: `checked_member_name` refuses it), and a FIFO blocks its
+reader forever while a device such as /dev/zero never ends; a link planted where a file of the
+directory belongs leads to either. So such files are opened with `open_regular_file`: no link
+at the name unless the caller allows one (O_NOFOLLOW), and only a regular file (O_NONBLOCK so a
+FIFO cannot block the open, then fstat).
+
+Anything refused raises `UnsafePath` (an OSError, so best-effort writers keep going), or
+`UnsafeName` (a ValueError) for a name.
 """
 
 from __future__ import annotations
@@ -30,13 +39,22 @@ from typing import IO
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class UnsafePath(OSError):
-    """A path longrun writes to is a symbolic link or not a regular file; the message says what to do."""
+_WRITE_REMEDY = "remove it and run again (longrun does not write through links or into special files)"
+_READ_REMEDY = "put the file itself there (longrun reads only regular files, never through a link)"
 
-    def __init__(self, path: str | os.PathLike, what: str = "a symbolic link or not a regular file"):
-        super().__init__(f"{path} is {what}; remove it and run again (longrun does not write through "
-                         "links or into special files)")
+
+class UnsafePath(OSError):
+    """A path longrun writes to or reads is a symbolic link or not a regular file; the message
+    says what to do."""
+
+    def __init__(self, path: str | os.PathLike, what: str = "a symbolic link or not a regular file",
+                 remedy: str = _WRITE_REMEDY):
+        super().__init__(f"{path} is {what}; {remedy}")
         self.path = str(path)
+
+
+class UnsafeName(ValueError):
+    """A file name read from a file (a manifest, an index) that would lead out of its directory."""
 
 
 def umask() -> int:
@@ -95,16 +113,18 @@ def remove_stale_temps(directory: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _open_regular(path: str | os.PathLike, flags: int, mode: int) -> int:
+def _open_regular(path: str | os.PathLike, flags: int, mode: int = 0, *, follow_links: bool = False,
+                  refusal: tuple[str, str] = ("a symbolic link or not a regular file", _WRITE_REMEDY)) -> int:
+    nofollow = 0 if follow_links else os.O_NOFOLLOW
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | nofollow | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symbolic link at `path`
-            raise UnsafePath(path) from None
+        if exc.errno == errno.ELOOP and not follow_links:  # a symbolic link at `path`
+            raise UnsafePath(path, *refusal) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafePath(path)
+        raise UnsafePath(path, *refusal)
     os.set_blocking(fd, True)
     return fd
 
@@ -120,3 +140,34 @@ def open_append(path: str | os.PathLike) -> IO:
     a regular file."""
     fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def open_regular_file(path: str | os.PathLike, *, follow_links: bool = False) -> IO[bytes]:
+    """`path` opened to read (binary, unbuffered), refused with UnsafePath unless it is a
+    regular file: never a FIFO (whose open or read would wait for a writer forever) nor a device
+    (/dev/zero never ends), and, unless `follow_links`, never a symbolic link at `path` itself.
+    FileNotFoundError as open() raises it."""
+    st = os.stat(path, follow_symlinks=follow_links)  # before the open: a device is never opened
+    what = ("a FIFO, socket or device, not a regular file" if follow_links
+            else "a symbolic link, FIFO or device, not a regular file")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePath(path, what, _READ_REMEDY)
+    fd = _open_regular(path, os.O_RDONLY, follow_links=follow_links, refusal=(what, _READ_REMEDY))
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_regular_file(path: str | os.PathLike, *, follow_links: bool = False) -> bytes:
+    """The whole of `path`, opened as `open_regular_file` opens it."""
+    with open_regular_file(path, follow_links=follow_links) as f:
+        return f.read()
+
+
+def checked_member_name(name: object, directory: str | os.PathLike, listed_in: str | os.PathLike) -> str:
+    """`name`, read from the file `listed_in` (a manifest's list of files, an index's weight
+    map), when it is a plain file name in `directory`; UnsafeName when it could lead anywhere
+    else: a '/' (an absolute path, or one into another directory), '..', '.', '' or a NUL."""
+    if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name:
+        return name
+    raise UnsafeName(f"{listed_in} names the file {name!r}, which is not a plain file name in "
+                     f"{directory} (a '/', '..' or an absolute path leads out of it); {listed_in} was "
+                     "damaged or tampered with: restore it from a good copy")

@@ -226,6 +226,11 @@ class QuotaMemoryFS(MemoryFileSystem):
     pseudo_dirs: ClassVar[list] = [""]
     limit: int | None = None
     gate = threading.Event()
+    rm_gate = threading.Event()  # tests hold directory removals (retention's bulk) here
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        self.rm_gate.wait()
+        return super().rm(path, recursive=recursive, maxdepth=maxdepth)
 
     def used(self) -> int:
         return sum(len(f.getbuffer()) for f in self.store.values())
@@ -246,10 +251,12 @@ fsspec.register_implementation("quotamem", QuotaMemoryFS, clobber=True)
 def quota_fs(request):
     QuotaMemoryFS.limit = None
     QuotaMemoryFS.gate.set()
+    QuotaMemoryFS.rm_gate.set()
     root = f"quotamem://ckpt-{request.node.name}"
     yield root
     QuotaMemoryFS.limit = None
     QuotaMemoryFS.gate.set()
+    QuotaMemoryFS.rm_gate.set()
     QuotaMemoryFS.store.clear()
 
 
@@ -332,6 +339,29 @@ def test_a_save_due_while_one_is_in_flight_is_skipped_by_policy(quota_fs):
         ckpt.close()
     fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
     assert layout.committed_steps(fs, root) == [1]
+
+
+def test_deleting_an_old_checkpoint_does_not_hold_the_next_save(quota_fs):
+    """Retention frees a multi-GB step in seconds (an object store: a request per object): the
+    step stops counting at once (its manifest goes first) and the rest goes beside training."""
+    cfg = w.config(quota_fs, checkpoint={"keep_last": 1})
+    fs, root = fsspec.core.url_to_fs(cfg.checkpoint_dir)
+    with Trainer(cfg, progress=False) as trainer:
+        ckpt = Checkpointer(cfg)
+        trainer.train_step()
+        ckpt.save(trainer)
+        assert ckpt.flush().committed
+        QuotaMemoryFS.rm_gate.clear()  # step 1's removal will hang until released
+        trainer.train_step()
+        ckpt.save(trainer)
+        assert ckpt.writer.wait_idle(timeout=60), "the save waited for the old step's deletion"
+        assert ckpt.writer.last_result.committed and ckpt.writer.last_result.step == 2
+        assert layout.committed_steps(fs, root) == [2]
+        assert fs.exists(f"{root}/{layout.step_dir_name(1)}")  # its bulk still waits at the gate
+        QuotaMemoryFS.rm_gate.set()
+        assert ckpt.writer.wait_deleted(timeout=60)
+        assert not fs.exists(f"{root}/{layout.step_dir_name(1)}")
+        ckpt.close()
 
 
 def test_the_object_store_commit_path_round_trips(quota_fs):

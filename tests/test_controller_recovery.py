@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -123,6 +124,21 @@ def _wait_for_step(redis_client, job: str, step: int, timeout: float = 300) -> N
         time.sleep(0.1)
 
 
+def _wait_for_commit(checkpoint_dir: str, step: int, timeout: float = 300) -> None:
+    import time
+
+    import fsspec
+
+    from longrun.checkpoint.layout import committed_steps
+
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+    deadline = time.monotonic() + timeout
+    while step not in committed_steps(fs, root):
+        assert time.monotonic() < deadline, f"step {step} was never committed under {checkpoint_dir}"
+        time.sleep(0.1)
+        fs.invalidate_cache()
+
+
 def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redis_server, redis_client,
                                                          tmp_path):
     import subprocess
@@ -138,6 +154,9 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
                               redis_server.url])
     try:
         _wait_for_step(redis_client, cfg.job.name, 5)
+        # Step 4's save commits in the background, after step 5 may have started: kill the
+        # controller once it is committed, which is what the resume below must not lose.
+        _wait_for_commit(cfg.checkpoint_dir, 4)
     finally:
         first.kill()  # the controller dies; Ray reaps the actors it owned
         first.wait()
@@ -188,10 +207,12 @@ def _text_corpus(directory, files: int):
     return str(directory)
 
 
-def test_a_changed_data_path_ends_the_job_at_once_with_the_real_cause(cluster, redis_server, redis_client,
-                                                                      tmp_path):
+def test_data_changed_in_place_ends_the_job_at_once_with_the_real_cause(cluster, redis_server, redis_client,
+                                                                         tmp_path):
     """Resuming after the data changed can never work on any node: the job ends FAILED after
-    one attempt with the sampler's own message, not after a storm of restarts."""
+    one attempt with the sampler's own message, not after a storm of restarts. The corpus is
+    rewritten at the same path, which the settings recorded in the checkpoint cannot show (a
+    changed data.path is refused before placement: tests/test_hostile_resume_identity.py)."""
 
     def cfg_for(path: str, steps: int):
         return config_from_dict({
@@ -205,10 +226,11 @@ def test_a_changed_data_path_ends_the_job_at_once_with_the_real_cause(cluster, r
             "recovery": {"restart_backoff_s": 0.0, "diagnostics": []},
         })
 
-    first = Controller(cfg_for(_text_corpus(tmp_path / "corpus-a", 20), 2), redis_server.url).run()
+    first = Controller(cfg_for(_text_corpus(tmp_path / "corpus", 20), 2), redis_server.url).run()
     assert first["step"] == 2
+    shutil.rmtree(tmp_path / "corpus")
     with pytest.raises(JobFailed, match="cannot resume the data order") as failed:
-        Controller(cfg_for(_text_corpus(tmp_path / "corpus-b", 31), 4), redis_server.url).run()
+        Controller(cfg_for(_text_corpus(tmp_path / "corpus", 31), 4), redis_server.url).run()
     assert "num_docs" in str(failed.value) and "fatal error" in str(failed.value)
     status = job_status(redis_client, "data-changed", events=100)
     assert status["state"] == "FAILED" and status["restarts"] == 0

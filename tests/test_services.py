@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from longrun.services import EmbeddedRay, EmbeddedRedis, ServiceError
-from longrun.services.process import pids_in_session
+from longrun.services.process import kill_until_gone, pids_in_session
 
 
 def _gone(pid: int) -> bool:
@@ -53,6 +53,27 @@ def test_redis_stop_leaves_no_process():
     assert not pids_in_session(pid)
     with pytest.raises(redis.ConnectionError):
         redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()
+
+
+def test_kill_until_gone_leaves_nothing_of_a_session_that_keeps_forking():
+    """A process that forks while it is being killed leaves a child one pass of SIGKILLs missed."""
+    forker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, sys, time
+        for n in range(400):
+            if os.fork() == 0:
+                time.sleep(120)
+                os._exit(0)
+            if n == 0:
+                print("forking", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert forker.stdout.readline().strip() == "forking"
+        assert kill_until_gone(lambda: pids_in_session(forker.pid), timeout_s=60) == []
+        assert not pids_in_session(forker.pid)
+    finally:
+        forker.kill()
+        forker.wait()
 
 
 def test_redis_dies_with_a_sigkilled_parent(tmp_path):

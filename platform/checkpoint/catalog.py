@@ -30,6 +30,7 @@ from longrun.checkpoint.lineage import FenceError, abandoned_reason, fenced_step
 from longrun.checkpoint.manifest import Manifest, ManifestError, stream_check
 from longrun.checkpoint.resharding import read_whole
 from longrun.checkpoint.restore import read_manifest
+from longrun.safe_files import UnsafePath
 
 # The two names of one matrix when model.tie_embeddings is on (trainer/model.py).
 TIED_KEYS = ("tok_embeddings.weight", "output.weight")
@@ -203,14 +204,19 @@ class Inspection:
 
 def verify_shards(fs: fsspec.AbstractFileSystem, root: str, step: int,
                   manifest: Manifest) -> list[ShardCheck]:
-    """Re-hash every file the manifest lists (streamed, not loaded) against its checksum."""
+    """Re-hash every file the manifest lists (streamed, not loaded) against its checksum; on a
+    local disk a file that is not a regular file at its own name is CORRUPT, never read."""
     checks, where = [], step_dir(fs, root, step)
     for name, info in sorted(manifest.files.items()):
         path = f"{where}/{name}"
         try:
-            size, ok = stream_check(fs, path, info.checksum, _HASH_CHUNK)
+            size, ok = stream_check(fs, path, info.checksum, _HASH_CHUNK, expected=info.bytes)
         except FileNotFoundError:
             checks.append(ShardCheck(name, "MISSING", 0, "listed in the manifest, not on storage"))
+            continue
+        except UnsafePath:  # never followed nor waited on: a link may lead anywhere, a FIFO blocks
+            checks.append(ShardCheck(name, "CORRUPT", 0, "a symbolic link, FIFO or device, not a regular "
+                                     "file: put the shard itself there"))
             continue
         if size != info.bytes:
             checks.append(ShardCheck(name, "CORRUPT", size, f"{size} bytes, the manifest says {info.bytes}"))

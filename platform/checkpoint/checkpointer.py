@@ -36,6 +36,7 @@ from longrun.checkpoint.snapshot import HostStager, Snapshot
 from longrun.checkpoint.stage_structure import structure_files
 from longrun.checkpoint.writer import CheckpointWriter, SaveJob, SaveResult
 from longrun.config import JobConfig
+from longrun.config.identity import identity_changes, job_identity, starts_new_data
 from longrun.config.vocabulary import tokenizer_record
 from longrun.parallel.dims import coords_of, leads_its_stage
 
@@ -74,6 +75,7 @@ class Checkpointer:
         self.saves = self.skipped = 0
         # Recorded in every manifest (rank 0 writes it): read once, the file does not change.
         self._tokenizer = tokenizer_record(cfg) if rank == 0 else None
+        self._identity = job_identity(cfg)
         # Fixed when the attempt starts, not read at each commit: a rollback's fence (written
         # by the controller between attempts) must also catch this attempt's late commits.
         self.lineage = current_lineage(self.fs, self.root) if rank == 0 else 0
@@ -98,7 +100,7 @@ class Checkpointer:
             manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
                                 model=self.cfg.model.model_dump(mode="json"),
                                 config_fingerprint=self.cfg.fingerprint(), layout=self.cfg.dims.degrees,
-                                tokenizer=self._tokenizer, lineage=self.lineage)
+                                tokenizer=self._tokenizer, identity=self._identity, lineage=self.lineage)
         self.writer.submit(SaveJob(trainer.step, snapshot, manifest))
         self.last_saved_step = trainer.step
         self._pending = snapshot
@@ -183,8 +185,27 @@ class Checkpointer:
             replica_rank=self.dp_rank, layout=self.cfg.dims.degrees, world_group=world_group,
             replica_group=dp_group, before_step=before_step, agree=agree)
         if restored is not None:
-            trainer.load_state_dict(restored.state)
+            state = restored.state
+            if self._starts_new_data(restored.manifest):
+                state = {**state, "data": None}  # the new data from its beginning
+            trainer.load_state_dict(state)
             log.info("resumed from step %d of %s", restored.step, self.root)
         elif fresh:
             trainer.optimizer.state.clear()
         return restored
+
+    def _starts_new_data(self, manifest: Manifest | None) -> bool:
+        """Whether the restored checkpoint's data position is left behind: the job changed its
+        data, seed or tokenizer and accepted it (checkpoint.accept_changes; the controller
+        refused it otherwise). The same answer on every rank: the same manifest and files."""
+        if manifest is None or not self.cfg.checkpoint.accept_changes:
+            return False
+        tokenizer = self._tokenizer if self.rank == 0 else tokenizer_record(self.cfg)
+        changes = identity_changes(manifest.identity, manifest.tokenizer, self.cfg, tokenizer)
+        if not starts_new_data(changes, self.cfg.checkpoint.accept_changes):
+            return False
+        if self.rank == 0:
+            log.warning("step %d was trained on other data (%s, accepted): the new data is read "
+                        "from its beginning", manifest.step,
+                        "; ".join(c.sentence() for c in changes if c.group in ("data", "tokenizer")))
+        return True

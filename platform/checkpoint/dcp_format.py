@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from longrun.checkpoint.manifest import ShardInfo
+from longrun.checkpoint.record_bounds import overlap_problem, record_problem
 from longrun.checkpoint.snapshot import map_tree
 
 DCP_KEYS = ("model", "optimizer")  # the parts of the trainer state stored in DCP's format
@@ -114,7 +115,7 @@ def pieces_of(state: dict[str, Any], *, rank: int, replica_leader: bool,
 
 
 def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r} in a checkpoint manifest")
     return dtype
@@ -135,14 +136,21 @@ class StoredItem:
 
 def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex, StoredItem]]:
     """DCP's metadata and the records by their index, from the manifest's files. Raises
-    ValueError when the pieces of a tensor do not cover it exactly once (a missing, doubled or
-    overlapping piece: `coverage_problem`), or when two files disagree about a tensor's shape
-    or dtype."""
+    ValueError, before anything is allocated, when a record does not fit its file or holds a
+    tensor larger than itself (`record_bounds.py`), when the pieces of a tensor do not cover it
+    exactly once (a missing, doubled or overlapping piece: `coverage_problem`), or when two
+    files disagree about a tensor's shape or dtype."""
     tensors: dict[str, TensorStorageMetadata] = {}
     planner_data: dict[str, tuple] = {}
     records: dict[MetadataIndex, StoredItem] = {}
     for name in sorted(files):
-        for item in files[name].items or ():
+        items = files[name].items or []
+        for item in items:
+            _check_record(name, files[name].bytes, item)
+        problem = overlap_problem(items)
+        if problem is not None:
+            raise ValueError(f"{name} {problem}; {_DAMAGED}")
+        for item in items:
             fqn, shape, dtype = item["fqn"], torch.Size(item["global_shape"]), dtype_of(item["dtype"])
             md = tensors.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dtype), shape, []))
             if md.size != shape or md.properties.dtype != dtype:
@@ -165,6 +173,21 @@ def table_of(files: dict[str, ShardInfo]) -> tuple[Metadata, dict[MetadataIndex,
     storage = {index: _StorageInfo(r.relative_path, r.offset, r.length) for index, r in records.items()}
     return Metadata(tensors, planner_data=planner_data, storage_data=storage,
                     version=DCP_VERSION), records
+
+
+_DAMAGED = "the manifest was damaged or tampered with: restore it from a good copy, or use another step"
+
+
+def _check_record(name: str, file_bytes: int, item: Any) -> None:
+    """ValueError unless `item` is a record that fits in its file `name` (`record_bounds.py`)."""
+    if not isinstance(item, dict) or not isinstance(item.get("fqn"), str) or \
+            not isinstance(item.get("path"), list) or \
+            not isinstance(item.get("checksum") or item.get("sha256"), str):
+        raise ValueError(f"{name} lists a record without a tensor name, path or checksum; {_DAMAGED}")
+    dtype = dtype_of(item.get("dtype"))
+    problem = record_problem(item, file_bytes, dtype.itemsize)
+    if problem is not None:
+        raise ValueError(f"the record of {item['fqn']} in {name} {problem}; {_DAMAGED}")
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a tensor of some shape

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from longrun import safe_files
+from longrun.checkpoint.stored import read_stored
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -149,10 +150,13 @@ def replace_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 
 
 def read_latest(fs: fsspec.AbstractFileSystem, root: str) -> int | None:
-    path = f"{root}/{LATEST}"
-    if not fs.exists(path):
+    """The step `latest` names (None: no such file, or not a step's name); UnsafePath when a
+    link or a FIFO stands in its place (`stored.py`)."""
+    try:
+        raw = read_stored(fs, f"{root}/{LATEST}")
+    except FileNotFoundError:
         return None
-    return parse_step(fs.cat_file(path).decode().strip())
+    return parse_step(raw.decode(errors="replace").strip())
 
 
 def write_latest(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str | None = None) -> None:
@@ -161,14 +165,17 @@ def write_latest(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str 
 
 
 def apply_retention(fs: fsspec.AbstractFileSystem, root: str, keep_last: int,
-                    committed: int | None = None, fenced: Collection[int] = ()) -> list[str]:
+                    committed: int | None = None, fenced: Collection[int] = (),
+                    remove: Callable[[str], None] | None = None) -> list[str]:
     """Delete committed checkpoints beyond the newest `keep_last`, older revisions of a step a
     newer revision replaced, and abandoned directories: uncommitted ones (no manifest) and the
     `fenced` steps (a rollback's abandoned path, `lineage.py`). Only committed, unfenced steps
     count towards `keep_last`. With `committed` (the step just committed) that one is never
     deleted, whatever its number: leftovers of an abandoned path may carry higher step numbers
     and must not push the newest commit out; and only uncommitted directories of earlier steps
-    go: a later one may be a save other ranks are still writing. Returns what was deleted."""
+    go: a later one may be a save other ranks are still writing. Each doomed directory loses
+    its manifest here; `remove` (default: at once, recursively) deletes the rest, say on a
+    thread of its own (`deleter.py`). Returns what was deleted."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}")
     dirs = committed_dirs(fs, root)
@@ -188,13 +195,17 @@ def apply_retention(fs: fsspec.AbstractFileSystem, root: str, keep_last: int,
         if tmp or not _committed(fs, root, name):
             doomed.append(f"{root}/{name}")
     for path in doomed:
-        delete_step_dir(fs, path)
+        delete_step_dir(fs, path, remove)
     return doomed
 
 
-def delete_step_dir(fs: fsspec.AbstractFileSystem, path: str) -> None:
+def delete_step_dir(fs: fsspec.AbstractFileSystem, path: str,
+                    remove: Callable[[str], None] | None = None) -> None:
     """Manifest first: a crash half-way through deleting must leave a directory that no
     longer counts as committed, never a "committed" one with shards missing."""
     if fs.exists(f"{path}/{MANIFEST}"):
         fs.rm_file(f"{path}/{MANIFEST}")
-    fs.rm(path, recursive=True)
+    if remove is None:
+        fs.rm(path, recursive=True)
+    else:
+        remove(path)

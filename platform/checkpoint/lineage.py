@@ -27,6 +27,8 @@ import fsspec
 
 from longrun.checkpoint.layout import MANIFEST, committed_dirs
 from longrun.checkpoint.manifest import Manifest, ManifestError
+from longrun.checkpoint.stored import read_stored
+from longrun.safe_files import UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,12 @@ def read_fences(fs: fsspec.AbstractFileSystem, root: str) -> list[Fence]:
     """The fences under `root`, oldest first ([] when there are none)."""
     path = f"{root}/{FENCES}"
     try:
-        raw = fs.cat_file(path)
+        raw = read_stored(fs, path)
+        return [Fence(**entry) for entry in json.loads(raw)["fences"]]
     except FileNotFoundError:
         return []
-    try:
-        return [Fence(**entry) for entry in json.loads(raw)["fences"]]
+    except UnsafePath as exc:  # a link or a FIFO in its place: never followed
+        raise FenceError(str(exc)) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise FenceError(f"{path} is not a valid fence record ({exc}); it lists the checkpoints a "
                          "loss-spike rollback abandoned: restore it, or move the checkpoints at or "
@@ -105,7 +108,7 @@ def fenced_steps(fs: fsspec.AbstractFileSystem, root: str) -> set[int]:
             continue
         path = f"{root}/{names[0]}/{MANIFEST}"  # the newest revision is the step's checkpoint
         try:
-            manifest = Manifest.from_json(fs.cat_file(path), where=path)
+            manifest = Manifest.from_json(read_stored(fs, path), where=path)
         except (ManifestError, OSError):
             continue
         if fence_of(step, manifest.lineage, fences) is not None:

@@ -14,17 +14,22 @@ The manifest is JSON, written last (it is what makes a step exist: `layout.py`):
 with its checksum and size (and, for a DCP file, each record's place and checksum, so a reader
 that reads only some byte ranges still verifies what it reads), the step, the config
 fingerprint, the model the tensors fit, the parallel layout they were written at (for
-information: any layout restores them) and the lineage (which loss-spike rollbacks it came
-after, `lineage.py`).
+information: any layout restores them), the job's tokenizer and data and training settings (a
+resume that changes them is refused unless accepted: `config/identity.py`) and the lineage
+(which loss-spike rollbacks it came after, `lineage.py`).
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from longrun.checkpoint import checksum
+from longrun.checkpoint.record_bounds import is_count
+from longrun.checkpoint.stored import open_stored, size_of
+from longrun.safe_files import UnsafeName, checked_member_name
 
 FORMAT_VERSION = 2  # 2: tensors in DCP's format, any layout; 1: pieces per layout (read by none)
 _READABLE = (1, 2)  # format 1 manifests are read to say why they cannot be resumed
@@ -78,7 +83,12 @@ class ShardInfo:
         data = dict(data)
         if "sha256" in data and "checksum" not in data:
             data["checksum"] = data.pop("sha256")
-        return cls(**data)
+        info = cls(**data)
+        # Checked here, once: every reader sums, compares and slices by these.
+        if not isinstance(info.checksum, str) or not is_count(info.bytes) or \
+                not (info.items is None or isinstance(info.items, list)):
+            raise TypeError("a file's checksum, bytes or items are not a string, a count and a list")
+        return info
 
 
 @dataclass
@@ -97,6 +107,9 @@ class Manifest:
     # The tokenizer the model was trained with (config/vocabulary.py `tokenizer_record`: its
     # path or 'byte', and sha256), so an export can ship it; None in older checkpoints.
     tokenizer: dict[str, Any] | None = None
+    # The job's data and training settings (config/identity.py `job_identity`), which a resume
+    # must not change unsaid; None in checkpoints from before they were recorded.
+    identity: dict[str, Any] | None = None
     # How many loss-spike rollbacks had fenced checkpoints off when the attempt that wrote it
     # started (`lineage.py`): a fence abandons the checkpoints at or after its step written at
     # an older lineage. 0 in checkpoints from before fences existed.
@@ -112,10 +125,18 @@ class Manifest:
             if data.get("format") not in _READABLE:
                 raise ManifestError(f"{where}: format {data.get('format')!r}, "
                                     f"this longrun reads format {FORMAT_VERSION}")
-            data["files"] = {k: ShardInfo.from_dict(v) for k, v in data["files"].items()}
-            return cls(**data)
+            step_dir = posixpath.dirname(where) or "its step directory"
+            data["files"] = {checked_member_name(k, step_dir, where): ShardInfo.from_dict(v)
+                             for k, v in data["files"].items()}
+            manifest = cls(**data)
+            if not (isinstance(manifest.model, dict) and isinstance(manifest.layout, dict)
+                    and isinstance(manifest.tokenizer, dict | None)):
+                raise TypeError("its model, layout or tokenizer is not a mapping")
+            return manifest
         except ManifestError:
             raise
+        except UnsafeName as exc:  # "../x", "/etc/x": never joined to the step directory
+            raise ManifestError(str(exc)) from None
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ManifestError(f"{where} is not a valid checkpoint manifest ({exc})") from None
 
@@ -161,12 +182,24 @@ class HashingWriter:
         return ShardInfo(checksum.tagged(self._hash), self.bytes)
 
 
-def stream_check(fs: Any, path: str, stored: str, chunk: int = 8 << 20) -> tuple[int, bool]:
+def stream_check(fs: Any, path: str, stored: str, chunk: int = 8 << 20,
+                 expected: int | None = None) -> tuple[int, bool]:
     """(size, whether it matches `stored`) of a file read in chunks: never the whole file in
-    memory; hashed with the algorithm that made `stored` (SHA-256 for old checkpoints)."""
+    memory; hashed with the algorithm that made `stored` (SHA-256 for old checkpoints). On a
+    local disk a link or a FIFO at `path` is refused (UnsafePath: `stored.py`), never followed.
+    A file whose size is not `expected` (when given) is not read at all."""
+    with open_stored(fs, path) as f:
+        return hash_check(f, stored, chunk, expected)
+
+
+def hash_check(f: IO[bytes], stored: str, chunk: int = 8 << 20,
+               expected: int | None = None) -> tuple[int, bool]:
+    """`stream_check` of a file just opened."""
+    size = size_of(f)
+    if expected is not None and size is not None and size != expected:
+        return size, False
     h, size = checksum.verifier(stored), 0
-    with fs.open(path, "rb") as f:
-        while data := f.read(chunk):
-            h.update(data)
-            size += len(data)
+    while data := f.read(chunk):
+        h.update(data)
+        size += len(data)
     return size, checksum.matches(stored, h)

@@ -35,6 +35,7 @@ from longrun.checkpoint.snapshot import Snapshot
 from longrun.checkpoint.stage_structure import structure_files
 from longrun.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SaveJob
 from longrun.config import JobConfig
+from longrun.config.identity import job_identity
 from longrun.config.vocabulary import tokenizer_record
 from longrun.parallel.dims import coords_of, leads_its_stage
 
@@ -91,7 +92,7 @@ def commit_snapshots(cfg: JobConfig, step: int, read: Read, *, ranks: list[int] 
             manifest = Manifest(step=step, world_size=world, dp_size=max(1, world // (dims.shards * dims.pp)),
                                 model=cfg.model.model_dump(mode="json"),
                                 config_fingerprint=cfg.fingerprint(), layout=dims.degrees,
-                                tokenizer=tokenizer_record(cfg),
+                                tokenizer=tokenizer_record(cfg), identity=job_identity(cfg),
                                 lineage=current_lineage(fs, root.rstrip("/")))  # as a save now would
         return SaveJob(step, Snapshot(_files(cfg, rank, snapshot, written), 0), manifest)
 

@@ -17,20 +17,23 @@ rank has verified its part).
 from __future__ import annotations
 
 import io
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import IO
 
 import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from longrun.checkpoint import checksum
 from longrun.checkpoint.dcp_format import StoredItem
 from longrun.checkpoint.records import tensor_bytes
+from longrun.checkpoint.stored import is_local, open_stored
+from longrun.safe_files import UnsafePath
 
 CHUNK_BYTES = 16 << 20
 READ_THREADS = 4  # reads are I/O (the GIL is released): enough to keep a disk or a store busy
@@ -55,11 +58,12 @@ def _target(index: MetadataIndex, stored: StoredItem, path: str, pin: bool) -> _
     if stored.data is None:  # an older record: read whole, unpickled once verified
         return _Target(index, stored, path, [memoryview(bytearray(stored.length))], None)
     start, length = stored.data
-    tensor = torch.empty(stored.sizes, dtype=stored.dtype, pin_memory=pin)
-    if length != tensor.numel() * tensor.element_size() or start + length > stored.length:
+    needed = math.prod(stored.sizes) * stored.dtype.itemsize
+    if length != needed or start + length > stored.length:  # before the allocation (table_of checks too)
         raise CorruptShardError(f"{path}: the record at byte {stored.offset} says its tensor has "
                                 f"{length} bytes, its shape {tuple(stored.sizes)} {stored.dtype} needs "
-                                f"{tensor.numel() * tensor.element_size()}")
+                                f"{needed}")
+    tensor = torch.empty(stored.sizes, dtype=stored.dtype, pin_memory=pin)
     tail = stored.length - start - length
     return _Target(index, stored, path, [memoryview(bytearray(start)), tensor_bytes(tensor),
                                          memoryview(bytearray(tail))], tensor)
@@ -86,21 +90,15 @@ def read_verified(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[Me
     """Every record in `wanted`, read, verified and turned into a host tensor: {record: tensor}.
     Raises CorruptShardError on a missing file or a record that does not match its checksum."""
     order = sorted(wanted, key=lambda i: (records[i].relative_path, records[i].offset))
-    targets = [_target(i, records[i], f"{step_dir}/{records[i].relative_path}", pin) for i in order]
-    local = isinstance(fs, LocalFileSystem)
-    fds: dict[str, int] = {}
+    local = is_local(fs)
+    files: dict[str, IO[bytes]] = {}
     try:
-        if local:
-            for t in targets:
-                if t.path not in fds:
-                    try:
-                        fds[t.path] = os.open(t.path, os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise CorruptShardError(f"{t.path} is missing") from None
+        _check_sizes(fs, step_dir, records, order, files)  # before anything is allocated
+        targets = [_target(i, records[i], f"{step_dir}/{records[i].relative_path}", pin) for i in order]
         with ThreadPoolExecutor(threads, thread_name_prefix="longrun-ckpt-read") as pool:
             def read(t: _Target, view: memoryview, at: int) -> Future:
                 if local:
-                    return pool.submit(_pread_into, fds[t.path], view, at, t.path)
+                    return pool.submit(_pread_into, files[t.path].fileno(), view, at, t.path)
                 return pool.submit(_fetch_into, fs, t.path, view, at)
 
             chunks = [_submit_chunks(t, read) for t in targets]
@@ -111,8 +109,49 @@ def read_verified(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[Me
                     for future, _ in parts:
                         future.cancel()
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for f in files.values():
+            f.close()
+
+
+def check_sizes(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[MetadataIndex, StoredItem],
+                wanted: set[MetadataIndex]) -> None:
+    """CorruptShardError unless every file holding a record in `wanted` is there, a regular file
+    (on a local disk) and long enough for its records: what a reader checks before it allocates
+    anything the manifest's shapes ask for (`record_bounds.py` bounds those by its files' sizes)."""
+    files: dict[str, IO[bytes]] = {}
+    try:
+        _check_sizes(fs, step_dir, records, wanted, files)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _check_sizes(fs: fsspec.AbstractFileSystem, step_dir: str, records: dict[MetadataIndex, StoredItem],
+                 wanted: Iterable[MetadataIndex], files: dict[str, IO[bytes]]) -> None:
+    ends: dict[str, int] = {}  # file -> the byte its last wanted record ends at
+    for index in wanted:
+        r = records[index]
+        path = f"{step_dir}/{r.relative_path}"
+        ends[path] = max(ends.get(path, 0), r.offset + r.length)
+    for path, end in sorted(ends.items()):
+        size = _stored_size(fs, path, files)
+        if size < end:
+            raise CorruptShardError(f"{path} is truncated (it ends at byte {size}, its records in the "
+                                    f"manifest at byte {end})")
+
+
+def _stored_size(fs: fsspec.AbstractFileSystem, path: str, files: dict[str, IO[bytes]]) -> int:
+    """The size of `path` on storage; on a local disk the file is opened into `files` (a regular
+    file only: a link or a FIFO there is refused, never followed or waited on)."""
+    try:
+        if not is_local(fs):
+            return int(fs.size(path))
+        files[path] = open_stored(fs, path)
+        return os.fstat(files[path].fileno()).st_size
+    except FileNotFoundError:
+        raise CorruptShardError(f"{path} is missing") from None
+    except UnsafePath as exc:
+        raise CorruptShardError(str(exc)) from None
 
 
 def _submit_chunks(t: _Target, read: Callable[[_Target, memoryview, int], Future]

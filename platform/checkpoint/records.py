@@ -42,12 +42,16 @@ WRITE_THREADS = 4  # writes are I/O (the GIL is released); more did not help a s
 
 
 class _HoleRecorder(io.RawIOBase):
-    """A file-like that keeps what torch.save writes and where it seeks over storage bytes."""
+    """A file-like that keeps what torch.save writes, and where, and where it seeks over
+    storage bytes. Writes are kept as they come, not in a buffer as long as the file: the
+    tail lies past a hole as large as the tensor, and zero-filling that for every record
+    cost as much as writing the checkpoint."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = bytearray()
+        self.writes: list[tuple[int, bytes]] = []  # (position, bytes) of each write
         self.pos = 0
+        self.end = 0
         self.holes: list[tuple[int, int]] = []  # (position, length) of each skipped storage
 
     def writable(self) -> bool:
@@ -57,12 +61,10 @@ class _HoleRecorder(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        data = memoryview(data).cast("B")
-        end = self.pos + len(data)
-        if len(self.buf) < end:
-            self.buf.extend(bytes(end - len(self.buf)))
-        self.buf[self.pos:end] = data
-        self.pos = end
+        data = bytes(memoryview(data).cast("B"))
+        self.writes.append((self.pos, data))
+        self.pos += len(data)
+        self.end = max(self.end, self.pos)
         return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
@@ -73,11 +75,23 @@ class _HoleRecorder(io.RawIOBase):
         elif whence == io.SEEK_SET:
             self.pos = offset
         else:
-            self.pos = len(self.buf) + offset
+            self.pos = self.end + offset
         return self.pos
 
     def tell(self) -> int:
         return self.pos
+
+    def span(self, start: int, stop: int) -> bytes | None:
+        """The bytes written in [start, stop), zeros where nothing was; None when a write
+        crosses either edge (the span does not stand apart from its neighbours)."""
+        out = bytearray(stop - start)
+        for at, data in self.writes:
+            if at >= stop or at + len(data) <= start:
+                continue
+            if at < start or at + len(data) > stop:
+                return None
+            out[at - start:at - start + len(data)] = data
+        return bytes(out)
 
 
 def _compact(t: Tensor) -> Tensor:
@@ -134,21 +148,28 @@ class Record:
         return item
 
 
+def _whole_record(fqn: str, piece: dict[str, Any], tensor: Tensor) -> Record:
+    whole = io.BytesIO()
+    torch.save(tensor, whole)
+    return Record(fqn, piece, tensor, whole.getvalue(), b"", split=False)
+
+
 def _record(fqn: str, piece: dict[str, Any]) -> Record:
     tensor = _compact(piece["tensor"])
     out = _HoleRecorder()
     with torch.serialization.skip_data():
         torch.save(tensor, out)
     nbytes = tensor.numel() * tensor.element_size()
-    raw = bytes(out.buf) + bytes(out.pos - len(out.buf))
     if nbytes == 0 and not out.holes:
-        return Record(fqn, piece, tensor, raw, b"")
+        raw = out.span(0, out.end)
+        return Record(fqn, piece, tensor, raw, b"") if raw is not None else _whole_record(fqn, piece, tensor)
     if len(out.holes) != 1 or out.holes[0][1] != nbytes:  # not the one storage: torch.save's bytes
-        whole = io.BytesIO()
-        torch.save(tensor, whole)
-        return Record(fqn, piece, tensor, whole.getvalue(), b"", split=False)
+        return _whole_record(fqn, piece, tensor)
     start = out.holes[0][0]
-    return Record(fqn, piece, tensor, raw[:start], raw[start + nbytes:])
+    head, tail = out.span(0, start), out.span(start + nbytes, out.end)
+    if head is None or tail is None:  # something was written into the hole after all
+        return _whole_record(fqn, piece, tensor)
+    return Record(fqn, piece, tensor, head, tail)
 
 
 def lay_out(pieces: dict[str, dict[str, Any]]) -> list[Record]:

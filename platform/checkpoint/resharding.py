@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from longrun.checkpoint.dcp_format import StoredItem, coverage_problem
-from longrun.checkpoint.record_read import CorruptShardError, read_verified
+from longrun.checkpoint.record_read import CorruptShardError, check_sizes, read_verified
 
 __all__ = ["CorruptShardError", "PieceMismatchError", "Wanted", "apply_reads", "plan_reads",
            "read_pieces", "read_records", "read_whole"]
@@ -107,7 +107,9 @@ def read_pieces(fs: fsspec.AbstractFileSystem, step_dir: str,
 def read_whole(fs: fsspec.AbstractFileSystem, step_dir: str, metadata: Metadata,
                records: dict[MetadataIndex, StoredItem], prefix: str) -> dict[str, Tensor]:
     """Every tensor whose name starts with `prefix`, whole (its pieces put together), keyed by
-    the rest of its name: consolidated weights from a checkpoint of any layout (an export)."""
+    the rest of its name: consolidated weights from a checkpoint of any layout (an export).
+    The files are checked against the manifest's sizes before the tensors are allocated."""
+    check_sizes(fs, step_dir, records, {index for index in records if index.fqn.startswith(prefix)})
     wanted = [Wanted(fqn, torch.empty(md.size, dtype=md.properties.dtype), (0,) * len(md.size),
                      tuple(md.size))
               for fqn, md in metadata.state_dict_metadata.items() if fqn.startswith(prefix)]

@@ -25,7 +25,6 @@ from typing import Any
 import fsspec
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -39,9 +38,10 @@ from longrun.checkpoint.manifest import (
     Manifest,
     ManifestError,
     ShardInfo,
+    hash_check,
     rank_shard_name,
-    stream_check,
 )
+from longrun.checkpoint.record_read import check_sizes
 from longrun.checkpoint.resharding import (
     CorruptShardError,
     PieceMismatchError,
@@ -51,7 +51,9 @@ from longrun.checkpoint.resharding import (
     read_records,
 )
 from longrun.checkpoint.stage_structure import held_structure, merged_structure, stage_files
+from longrun.checkpoint.stored import is_local, open_stored, read_stored, same_file
 from longrun.kinds import FaultKind
+from longrun.safe_files import UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +74,17 @@ class Restored:
     skipped: list[tuple[int, str]]  # newer steps that could not be used, and why
     written_by: dict[str, int] | None = None  # the layout that wrote it, when not this one
     bytes_read: int = 0  # tensor bytes this rank read from storage
+    manifest: Manifest | None = None  # the restored step's (what job wrote it)
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, root: str, step: int) -> Manifest:
     path = f"{step_dir(fs, root, step)}/{MANIFEST}"
     try:
-        raw = fs.cat_file(path)
+        raw = read_stored(fs, path)
     except FileNotFoundError:
         raise ManifestError(f"{path} is missing") from None
+    except UnsafePath as exc:  # a link or a FIFO where the manifest belongs
+        raise ManifestError(str(exc)) from None
     return Manifest.from_json(raw, where=path)
 
 
@@ -89,27 +94,30 @@ def load_shard(fs: fsspec.AbstractFileSystem, root: str, step: int, name: str,
     path = f"{step_dir(fs, root, step)}/{name}"
     if info is None:
         raise CorruptShardError(f"{path} is not listed in the manifest")
-    local = isinstance(fs, LocalFileSystem)
     try:
-        if local:
+        if is_local(fs):
             # Hash while streaming, then map the verified file: no whole-file bytes object
             # and no second copy of every storage (measured 3x faster than cat_file +
-            # BytesIO on a 1.2 GB shard).
-            size, ok = stream_check(fs, path, info.checksum)
-        else:
-            raw = fs.cat_file(path)
-            h = checksum.verifier(info.checksum)
-            h.update(raw)
-            size, ok = len(raw), checksum.matches(info.checksum, h)
+            # BytesIO on a 1.2 GB shard). The file mapped is the one hashed (`same_file`).
+            with open_stored(fs, path) as f:  # of another size than the manifest's: not read
+                _check_size_and_sum(path, info, *hash_check(f, info.checksum, expected=info.bytes))
+                # mmap is private (copy-on-write): training may update what it maps.
+                return torch.load(same_file(f, path), map_location="cpu", weights_only=True, mmap=True)
+        raw = fs.cat_file(path)
     except FileNotFoundError:
         raise CorruptShardError(f"{path} is missing") from None
+    except UnsafePath as exc:  # a link or a FIFO where the shard belongs: never followed
+        raise CorruptShardError(str(exc)) from None
+    h = checksum.verifier(info.checksum)
+    h.update(raw)
+    _check_size_and_sum(path, info, len(raw), checksum.matches(info.checksum, h))
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+
+
+def _check_size_and_sum(path: str, info: ShardInfo, size: int, ok: bool) -> None:
     if size != info.bytes or not ok:
         raise CorruptShardError(
             f"{path} does not match its checksum ({size} bytes, manifest says {info.bytes})")
-    if local:
-        # mmap is private (copy-on-write): training may update what it maps.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
 def all_ranks_ok(ok: bool, group: dist.ProcessGroup | None) -> bool:
@@ -238,6 +246,9 @@ def _read_candidate(fs, root: str, step: int, *, model: dict[str, Any], template
     # The live pieces are the targets: they change only once every rank has verified its part.
     mine = [Wanted(p.fqn, p.local, p.offsets, p.global_shape)
             for p in pieces_of(template, rank=rank, replica_leader=False)]
+    lacking = {fqn_of(path) for path, _ in tensor_leaves(train_state)} - {w.fqn for w in mine}
+    if lacking:  # new buffers of the manifest's shapes: first, its files must hold that much
+        check_sizes(fs, where, records, {index for index in records if index.fqn in lacking})
     try:
         extra = extra_buffers(train_state, metadata, mine)
     except KeyError as exc:  # the structure names a tensor no piece holds: a broken checkpoint
@@ -317,7 +328,7 @@ def restore_latest(fs: fsspec.AbstractFileSystem, root: str, *, model: dict[str,
             log.info("checkpoint step %d was written at %s; resharded to %s", step, written, layout)
         else:
             written = None
-        return Restored(step, state, skipped, written, found.bytes_read)
+        return Restored(step, state, skipped, written, found.bytes_read, found.manifest)
     if skipped:
         log.warning("no usable checkpoint under %s: %d committed step(s) were unusable", root, len(skipped))
     return None

@@ -43,6 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from longrun.checkpoint.commit import CommitAborted, CommitLedger
 from longrun.checkpoint.dcp_format import METADATA_FILE, metadata_bytes
+from longrun.checkpoint.deleter import BackgroundDeleter
 from longrun.checkpoint.layout import (
     MANIFEST,
     apply_retention,
@@ -103,6 +104,8 @@ class CheckpointWriter:
         self._failure: BaseException | None = None
         self._fail_next: str | None = None  # an injected fault (fail_save): the next save fails
         self.last_result: SaveResult | None = None
+        # Only the coordinator applies retention; its deletions run beside the next save.
+        self._deleter = BackgroundDeleter(fs) if self.coordinator else None
         self._thread = threading.Thread(target=self._run, name=f"longrun-ckpt-writer-{rank}",
                                         daemon=True)
         self._thread.start()
@@ -142,12 +145,18 @@ class CheckpointWriter:
             raise error from failure
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish the save in flight, then stop the thread."""
+        """Finish the save in flight and the deletions it started, then stop the threads."""
         self.wait_idle(timeout)
         with self._lock:
             self._closed = True
             self._lock.notify_all()
         self._thread.join(timeout)
+        if self._deleter is not None:
+            self._deleter.close(timeout)
+
+    def wait_deleted(self, timeout: float | None = None) -> bool:
+        """Until the old checkpoints retention has given up so far are gone from storage."""
+        return self._deleter is None or self._deleter.wait(timeout)
 
     # -- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -316,6 +325,7 @@ class CheckpointWriter:
             log.warning("checkpoint retention skipped: %s", exc)
             return
         ensure_owner(self.fs, self.root, self._owner, f"checkpoint retention after step {job.step}")
-        removed = apply_retention(self.fs, self.root, self.keep_last, committed=job.step, fenced=fenced)
+        removed = apply_retention(self.fs, self.root, self.keep_last, committed=job.step, fenced=fenced,
+                                  remove=self._deleter.submit if self._deleter is not None else None)
         if removed:
             log.info("checkpoint retention removed %s", ", ".join(p.rsplit("/", 1)[-1] for p in removed))

@@ -141,6 +141,8 @@ def cmd_checkpoint_inspect(args) -> int:
                   + ", ".join(sorted(m.files))),
     ]))
     out.print(_key_values([(k, json.dumps(v)) for k, v in m.model.items()], title="model"))
+    if m.identity is not None:  # what a resume must not change unsaid (config/identity.py)
+        out.print(_key_values([(k, json.dumps(v)) for k, v in m.identity.items()], title="trained with"))
     _print_weights(result)
     if result.checks is not None:
         _print_checks(result)
@@ -191,15 +193,17 @@ def cmd_checkpoint_export(args) -> int:
 
 def checkpoint_errors(exc: Exception) -> int | None:
     """Exit 2 for a wrong request (no such directory or step, bad --out), 1 for a checkpoint
-    that cannot be read (corrupt shard, bad manifest); None for anything else."""
+    that cannot be read (corrupt shard, bad manifest, a link or FIFO in a file's place); None
+    for anything else."""
     from longrun.checkpoint import CorruptShardError, ManifestError
     from longrun.checkpoint.catalog import CheckpointNotFound
     from longrun.interop.export import ExportError
+    from longrun.safe_files import UnsafePath
 
     if isinstance(exc, CheckpointNotFound | ExportError):
         console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 2
-    if isinstance(exc, CorruptShardError | ManifestError):
+    if isinstance(exc, CorruptShardError | ManifestError | UnsafePath):  # UnsafePath: `latest`
         console.print(f"[red]error[/]: {shown(exc, newlines=True)}", highlight=False)
         return 1
     return None

@@ -41,6 +41,14 @@ def cmd_run(args) -> int:
     from longrun.config.runnable import check_runnable
 
     check_runnable(cfg)  # before any service starts
+    from longrun.controller.precheck import checkpoint_problem
+
+    # The controller asks again (and warns); asked here, a refused resume starts nothing and
+    # leaves the run directory's config.yaml describing the checkpoints it has.
+    problem = checkpoint_problem(cfg, quiet=True)
+    if problem is not None:
+        console.print(f"[red]error[/]: {shown(problem, newlines=True)}", highlight=False)
+        return 1
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     replace_file(run_dir / "config.yaml", cfg.to_yaml(), sync=False)  # never through a planted link

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
+from longrun.config.identity import ACCEPTABLE, GROUPS
 from longrun.parallel.dims import CPImpl
 from longrun.parallel.schedules import PipelineSchedule
 from longrun.redis_password import (
@@ -369,6 +370,22 @@ class CheckpointSection(Section):
     restore_timeout_s: Duration = Field(
         600.0, description="How long a restoring rank waits for every rank to say whether it read "
         "and verified its part of a checkpoint; then the ranks that did not answer are named.")
+    accept_changes: list[str] = Field(
+        default_factory=list, description="Resume from a checkpoint although these settings differ "
+        "from the job that wrote it: groups (data, tokenizer, training) or keys (e.g. training.lr, "
+        "job.seed, data.path). Without it such a resume is refused before anything starts, naming "
+        "each difference (config/identity.py). Accepted data, seed or tokenizer changes start the "
+        "new data from its beginning. Remove it once resumed, so a later change is refused again.")
+
+    @field_validator("accept_changes")
+    @classmethod
+    def _known_names(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in ACCEPTABLE]
+        if unknown:
+            keys = ", ".join(k for keys in GROUPS.values() for k in keys)
+            raise ValueError(f"{', '.join(map(repr, unknown))} cannot be accepted: name a group "
+                             f"({', '.join(GROUPS)}) or one of its keys ({keys})")
+        return list(dict.fromkeys(names))
 
 
 FaultKind = Literal["kill", "hang", "raise", "nan", "slow", "hold", "fail_save"]

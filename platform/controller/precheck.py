@@ -7,6 +7,10 @@ any parallel layout is fine: it reshards), and a restart would only meet the sam
 other nodes. So the controller reads the newest
 committed checkpoint's manifest itself (JSON: no torch, no worker) and fails the job at once,
 with the manifest's own reason, instead of spending a placement and an attempt to learn it.
+Here too a checkpoint written by a job with other data, tokenizer or training settings is
+refused, one sentence per difference, unless `checkpoint.accept_changes` names it
+(`config/identity.py`): a reused job name or checkpoint directory must not resume another
+job's weights, step and data position unsaid. `longrun run` asks before it starts anything.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from longrun.checkpoint.layout import MANIFEST, committed_dirs, sweep_uncommitte
 from longrun.checkpoint.lineage import FENCES, FenceError, abandoned_reason, add_fence, read_fences
 from longrun.checkpoint.manifest import Manifest, ManifestError
 from longrun.config import JobConfig
+from longrun.config.identity import identity_changes, refusal, unused_accepts
+from longrun.config.vocabulary import tokenizer_record
 
 log = logging.getLogger(__name__)
 
 
-def checkpoint_problem(cfg: JobConfig) -> str | None:
+def checkpoint_problem(cfg: JobConfig, *, quiet: bool = False) -> str | None:
     """Why the job cannot resume from the newest committed checkpoint under
-    cfg.checkpoint_dir (one sentence saying what to do), or None when it can or there is none.
+    cfg.checkpoint_dir (saying what to do), or None when it can or there is none. `quiet`: no
+    warnings (about an unchecked older checkpoint, accepted changes): the caller checks early
+    and the controller checks again, and says them.
 
     Unreadable manifests are skipped, as the workers skip them (they fall back to an older
     step); the first readable one decides, as it does for them."""
@@ -53,13 +61,42 @@ def checkpoint_problem(cfg: JobConfig) -> str | None:
             continue
         if abandoned_reason(manifest, fences) is not None:  # the workers pass it over too
             continue
-        # Any layout restores any checkpoint; only the model (and the format) must fit.
+        where = f"{cfg.checkpoint_dir}/{dirs[step][0]}"
+        # Any layout restores any checkpoint; only the model (and the format) must fit...
         mismatch = manifest.incompatibility(cfg.model.model_dump(mode="json"))
-        if mismatch is None:
-            return None
-        return (f"cannot resume from {cfg.checkpoint_dir}/{dirs[step][0]}: {mismatch}. "
-                "Point checkpoint.dir elsewhere to start afresh, or run with the model the "
-                "checkpoint was written with.")
+        if mismatch is not None:
+            return (f"cannot resume from {where}: {mismatch}. Point checkpoint.dir elsewhere to "
+                    "start afresh, or run with the model the checkpoint was written with.")
+        # ...and the data, tokenizer and training settings be the same, or accepted.
+        changed = _changed_settings(cfg, manifest, where, quiet=quiet)
+        return None if changed is None else f"cannot resume from {where}: {changed}."
+    return None
+
+
+def _changed_settings(cfg: JobConfig, manifest: Manifest, where: str, *, quiet: bool) -> str | None:
+    """The refusal of the settings that differ between the checkpoint at `where` and the job,
+    unaccepted; None when there are none (the accepted ones, and what could not be compared,
+    logged unless `quiet`)."""
+    try:
+        tokenizer = tokenizer_record(cfg)
+    except (OSError, ValueError) as exc:  # the workers will meet it too, and say so
+        tokenizer = None
+        if not quiet:
+            log.warning("checkpoint precheck: this job's tokenizer cannot be read (%s); the "
+                        "checkpoint's is not compared with it", exc)
+    changes = identity_changes(manifest.identity, manifest.tokenizer, cfg, tokenizer)
+    accept = cfg.checkpoint.accept_changes
+    refused = refusal(changes, accept)
+    if refused is not None or quiet:
+        return refused
+    if manifest.identity is None:
+        log.warning("%s records no data or training settings (written by an earlier longrun): "
+                    "resuming without comparing them with this job's", where)
+    for change in changes:
+        log.warning("resuming from %s with an accepted change: %s", where, change.sentence())
+    if unused := unused_accepts(changes, accept):
+        log.warning("checkpoint.accept_changes names %s, which the checkpoint at %s does not differ "
+                    "in: remove it, so that a later change is refused", ", ".join(unused), where)
     return None
 
 

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from longrun.config.sections import ModelSection
 from longrun.kinds import FaultKind
+from longrun.safe_files import UnsafePath, read_regular_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -114,10 +115,11 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
         raise HFError(f"{hf_dir} is not a directory (a Hugging Face model directory with "
                       f"{CONFIG_FILE} and {WEIGHTS_FILE} is expected)")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = json.loads(read_regular_file(path, follow_links=True))  # a hub cache links its files
     except FileNotFoundError:
         raise HFError(f"{hf_dir} has no {CONFIG_FILE}; is it a Hugging Face model directory?") from None
+    except UnsafePath as exc:  # a FIFO would block the read, a device never end it
+        raise HFError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise HFError(f"{path} is not readable JSON ({exc})") from None
     if not isinstance(cfg, dict):

@@ -36,7 +36,7 @@ from longrun.interop.hf import (
     hf_names,
 )
 from longrun.interop.weights_file import ExportError, ExportResult, safetensors_metadata, unshare
-from longrun.safe_files import umask
+from longrun.safe_files import UnsafePath, open_regular_file, umask
 
 
 def _special_ids(tokenizer: str | None, model: ModelSection) -> tuple[Any, tuple]:
@@ -67,11 +67,21 @@ def _recorded_tokenizer(record: dict[str, Any] | None, model: ModelSection) -> t
         return _special_ids("byte", model)
     if spec is None:  # trained from shards without naming their tokenizer: their ids only
         return None, (record.get("bos"), record.get("eos"), record.get("pad"))
-    if not os.path.exists(spec):
+    # The path comes from the manifest: whoever wrote the checkpoint chose it. Only a regular
+    # file is read (a FIFO would block, /dev/zero never end), hashed as it streams.
+    try:
+        with open_regular_file(str(spec)) as f:
+            found = hashlib.file_digest(f, "sha256").hexdigest()
+    except (FileNotFoundError, NotADirectoryError):
         raise ExportError(f"the checkpoint was trained with the tokenizer {spec}, which is not there "
-                          "any more; pass --tokenizer PATH (a copy of it)")
-    with open(spec, "rb") as f:
-        found = hashlib.sha256(f.read()).hexdigest()
+                          "any more; pass --tokenizer PATH (a copy of it)") from None
+    except UnsafePath:
+        raise ExportError(f"the checkpoint names the tokenizer {spec}, which is a symbolic link, FIFO "
+                          "or device, not a regular file; pass --tokenizer PATH (the tokenizer.json "
+                          "itself)") from None
+    except OSError as exc:  # unreadable to this user, say
+        raise ExportError(f"cannot read the tokenizer {spec} the checkpoint names ({exc.strerror}); "
+                          "pass --tokenizer PATH") from None
     if found != record.get("sha256"):
         raise ExportError(f"the tokenizer {spec} changed since the checkpoint was trained with it "
                           f"(sha256 {found[:12]}... now, {str(record.get('sha256'))[:12]}... then); "

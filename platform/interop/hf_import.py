@@ -25,29 +25,54 @@ from longrun.interop.hf import (
     hf_names,
 )
 from longrun.parallel.pieces import Piece
+from longrun.safe_files import (
+    UnsafeName,
+    UnsafePath,
+    checked_member_name,
+    open_regular_file,
+    read_regular_file,
+)
 
 # Buffers some older exports saved next to the weights; longrun derives them from the config.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def weight_files(hf_dir: str) -> dict[str, str]:
-    """HF tensor name -> the safetensors file holding it."""
+    """HF tensor name -> the safetensors file holding it. The index's file names must be plain
+    names in `hf_dir`, and every file a regular one (a link to one is fine: a hub cache's are),
+    never a FIFO or a device: HFError otherwise."""
     index = os.path.join(hf_dir, WEIGHTS_INDEX_FILE)
     single = os.path.join(hf_dir, WEIGHTS_FILE)
     if os.path.isfile(index):
         try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            weight_map = json.loads(read_regular_file(index, follow_links=True))["weight_map"]
+            files = {name: checked_member_name(file, hf_dir, index) for name, file in weight_map.items()}
+        except (UnsafeName, UnsafePath) as exc:  # "../x", "/x": another directory's files; a FIFO
+            raise HFError(str(exc)) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HFError(f"{index} is not a safetensors index with a weight_map ({exc})") from None
-        return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            _check_regular(os.path.join(hf_dir, file))
+        return {name: os.path.join(hf_dir, file) for name, file in files.items()}
     if os.path.isfile(single):
+        _check_regular(single)
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
     found = sorted(n for n in os.listdir(hf_dir) if n.endswith((".bin", ".pt", ".pth")))
     hint = (f"; it has {', '.join(found)}: save it with safetensors "
             "(save_pretrained(..., safe_serialization=True))" if found else "")
     raise HFError(f"{hf_dir} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}{hint}")
+
+
+def _check_regular(path: str) -> None:
+    """HFError unless `path` is (or links to) a regular file: safetensors' open of a FIFO waits
+    for a writer forever. A missing one is left to the reader, which names it."""
+    try:
+        open_regular_file(path, follow_links=True).close()
+    except FileNotFoundError:
+        pass
+    except UnsafePath as exc:
+        raise HFError(str(exc)) from None
 
 
 def expected_shapes(model: ModelSection) -> dict[str, tuple[int, ...]]:

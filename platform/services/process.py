@@ -14,13 +14,15 @@ import atexit
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -98,7 +100,7 @@ class ManagedProcess:
         # Children that ignored SIGTERM, or that the leader left behind (possibly in another
         # process group of the same session), get SIGKILL.
         self._signal_group(signal.SIGKILL)
-        kill_pids(pids_in_session(self.proc.pid))
+        kill_until_gone(lambda: pids_in_session(self.proc.pid), timeout_s=grace_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
         with _live_lock:
@@ -157,6 +159,39 @@ def kill_pids(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def kill_until_gone(find: Callable[[], list[int]], timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL what `find()` returns and wait for each to exit, until `find()` returns nothing.
+
+    A SIGKILLed process lives on while the kernel tears it down (a raylet with a large address
+    space takes a moment), and one that was forking as the signal landed leaves a child the
+    first pass did not see: one pass of `kill_pids` can return with both still listed. Waits on
+    each process's pidfd (readable when it exits), so no polling. Returns what was still alive
+    at the deadline (empty when all went)."""
+    deadline = time.monotonic() + timeout_s
+    while pids := find():
+        if time.monotonic() >= deadline:
+            return pids
+        for pid in pids:
+            _kill_and_wait(pid, deadline)
+    return []
+
+
+def _kill_and_wait(pid: int, deadline: float) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, PermissionError):
+        return  # gone already, or not ours to kill
+    except OSError:  # no pidfds (old kernel): signal and let the caller's next pass look again
+        kill_pids([pid])
+        return
+    try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+    finally:
+        os.close(fd)
 
 
 class EmbeddedServer:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from longrun.safe_files import create
 from longrun.services.ports import free_ports
-from longrun.services.process import ManagedProcess, ServiceError, kill_pids, pids_mentioning
+from longrun.services.process import ManagedProcess, ServiceError, kill_until_gone, pids_mentioning
 
 LOOPBACK = "127.0.0.1"
 # Ray turns 127.0.0.1 into the machine's routable address so other nodes can join; an
@@ -142,7 +142,8 @@ class EmbeddedRay:
             self.process = None
         if self.temp_dir is not None:
             # Ray renames its workers (ray::IDLE) but they keep the session of the head.
-            kill_pids(pids_mentioning(str(self.temp_dir)))
+            temp_dir = str(self.temp_dir)
+            kill_until_gone(lambda: pids_mentioning(temp_dir))
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
 

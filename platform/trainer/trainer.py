@@ -70,7 +70,7 @@ from longrun.trainer.cp.planner import Plan
 from longrun.trainer.errors import NonFiniteError, NonFiniteGradientError, NonFiniteLossError
 from longrun.trainer.feed import StepFeed
 from longrun.trainer.guard import guarded_step, non_finite
-from longrun.trainer.optim import build_optimizer
+from longrun.trainer.optim import build_optimizer, follow_training_config
 from longrun.trainer.progress import ProgressPrinter, StepMetrics
 from longrun.trainer.readings import StepReadings, StepTimer
 from longrun.trainer.runtime import (
@@ -501,9 +501,13 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.feed.load_state_dict(state["data"])  # checks it fits this corpus and layout
+        """Continue from `state`; its "data" None: the data from its beginning (a resume that
+        accepted a change of the data: config/identity.py)."""
+        if state["data"] is not None:
+            self.feed.load_state_dict(state["data"])  # checks it fits this corpus and layout
         self.parallel.load_state_dicts(self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        follow_training_config(self.optimizer, self.scheduler, self.cfg.training)
         self.step = int(state["step"])
         if state["rng"] is not None:  # None: restored at another world size, streams kept
             set_rng_state(state["rng"])
