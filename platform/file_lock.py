@@ -18,7 +18,7 @@ import errno
 import fcntl
 import os
 
-from longrun.safe_files import open_lock
+from longrun.safe_files import open_lock, open_regular_file
 
 # errnos with which a file system says it does not do flock (Lustre without -o flock, some FUSE).
 NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
@@ -37,6 +37,28 @@ def holder_of(fd: int, limit: int = 4096) -> str:
     with contextlib.suppress(OSError):
         return os.pread(fd, limit, 0).decode("utf-8", errors="replace").strip()
     return ""
+
+
+def held_by(path: str | os.PathLike) -> str | None:
+    """What the holder of `path`'s lock wrote in it ('' if nothing yet) while one holds it; None
+    when nobody does, there is no such file, or the file system has no locks. It only looks:
+    nothing is created, written or removed. The look is a shared lock tried and let go at once,
+    so a `take` at that very moment may find it held (one of two starting at once is refused
+    either way). `safe_files.UnsafePath` when `path` is a link or not a regular file."""
+    try:
+        f = open_regular_file(path)
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder_of(f.fileno())
+        except OSError as exc:
+            if exc.errno in NO_LOCKS:
+                return None
+            raise
+    return None  # closing the file let go of the shared lock
 
 
 def take(path: str | os.PathLike, name: str) -> int:

@@ -151,6 +151,29 @@ def test_a_second_writer_is_refused_while_the_first_owns_the_directory(redis_ser
     runs_past_ownership(make, launcher, second_cfg)
 
 
+def test_a_second_longrun_run_is_refused_before_it_starts_anything(redis_server, tmp_path):
+    """The same config run twice: each `longrun run` would start a Redis of its own, so the job
+    name's lease never meets; the checkpoint directory's owner refuses the second before any
+    service starts or any file is written."""
+    cfg = shared_dir_job("writer-a", tmp_path)
+    first = start_first(cfg, tmp_path, redis_server.url)
+    try:
+        held = owner_text(cfg)
+        second = subprocess.run([sys.executable, "-m", "longrun.cli", "run", str(tmp_path / "writer-a.yaml")],
+                                capture_output=True, text=True, timeout=300)
+        out = " ".join((second.stdout + second.stderr).split())  # as the console wrapped it
+        assert second.returncode == 1, out
+        assert (f"error: checkpoint directory {cfg.checkpoint_dir} is in use by job 'writer-a', whose "
+                f"controller is pid {first.pid} on {socket.gethostname()}") in out
+        assert "give this one a checkpoint.dir of its own" in out and "Traceback" not in out
+        assert "redis:" not in out and "ray:" not in out  # no service was started
+        assert not os.path.exists(os.path.join(cfg.run_dir, "config.yaml"))  # nothing written
+        assert owner_text(cfg) == held
+    finally:
+        first.kill()
+        first.wait()
+
+
 def test_a_killed_owners_directory_is_free_at_once(redis_server, redis_client, tmp_path):
     make, launcher, *_ = make_rig(redis_server.url)
     first_cfg, second_cfg = shared_dir_job("writer-a", tmp_path), shared_dir_job("writer-b", tmp_path)

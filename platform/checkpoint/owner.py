@@ -37,6 +37,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from longrun import file_lock, safe_files
+from longrun.checkpoint.stored import read_stored
 from longrun.kinds import FaultKind
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,34 @@ class Owner:
 
 
 def read_owner(fs: fsspec.AbstractFileSystem, root: str) -> Owner | None:
-    """The owner recorded under `root`; None when there is none (or it cannot be parsed)."""
+    """The owner recorded under `root`; None when there is none (or it cannot be parsed);
+    safe_files.UnsafePath when a link or a FIFO stands in its place (`stored.py`)."""
     try:
-        return Owner.parse(fs.cat_file(f"{root}/{OWNER_FILE}"))
+        return Owner.parse(read_stored(fs, f"{root}/{OWNER_FILE}"))
     except FileNotFoundError:
         return None
+
+
+def _in_use(url: str, holder_text: str) -> str:
+    holder = Owner.parse(holder_text) if holder_text else None
+    who = holder.described() if holder else "a controller that has not written its name yet"
+    return (f"checkpoint directory {url} is in use by {who}: stop that job first (`longrun stop`, "
+            "or Ctrl-C where it runs), or give this one a checkpoint.dir of its own")
+
+
+def in_use_refusal(url: str) -> str | None:
+    """Why a controller could not take the checkpoint root at `url` now (the sentence
+    `Ownership.take` refuses with), or None; it only looks, writing nothing. `longrun run` asks
+    before it starts any service; the controller's `take` is what holds. Object stores, which
+    have no lock, and file systems without locks are never refused here."""
+    fs, root = fsspec.core.url_to_fs(url)
+    if not isinstance(fs, LocalFileSystem):
+        return None
+    try:
+        holder = file_lock.held_by(Path(root.rstrip("/")) / OWNER_FILE)
+    except safe_files.UnsafePath as exc:
+        return str(exc)
+    return None if holder is None else _in_use(url, holder)
 
 
 def owner_id(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
@@ -137,11 +161,7 @@ class Ownership:
         try:
             fd = file_lock.take(path, owner.to_json())
         except file_lock.LockHeld as held:
-            holder = Owner.parse(held.holder)
-            who = holder.described() if holder else "a controller that has not written its name yet"
-            raise CheckpointDirInUse(
-                f"checkpoint directory {url} is in use by {who}: stop that job first (`longrun stop`, "
-                "or Ctrl-C where it runs), or give this one a checkpoint.dir of its own") from None
+            raise CheckpointDirInUse(_in_use(url, held.holder)) from None
         except OSError as exc:
             if exc.errno not in file_lock.NO_LOCKS:
                 raise

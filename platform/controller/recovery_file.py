@@ -26,6 +26,7 @@ from typing import Any
 import fsspec
 
 from longrun.checkpoint.layout import replace_file
+from longrun.checkpoint.stored import read_stored
 from longrun.controller.job_state import JobRecordStore
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def read_memory(url: str, job: str) -> RecoveryMemory | None:
     fs, root = _root(url)
     path = f"{root}/{RECOVERY_FILE}"
     try:
-        data = json.loads(fs.cat_file(path))
+        data = json.loads(read_stored(fs, path))  # never through a link or from a FIFO
         memory = RecoveryMemory(
             job=str(data["job"]), restarts_total=int(data["restarts_total"]),
             restarts=[dict(r) for r in data["restarts"]],
