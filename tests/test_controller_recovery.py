@@ -21,7 +21,7 @@ from longrun.goodput.summary import read_summary
 STEPS = 8
 
 
-def job(name: str, tmp_path, faults=(), node_agents="off", **recovery):
+def job(name: str, tmp_path, faults=(), node_agents="off", store_patience_s=60.0, **recovery):
     return config_from_dict({
         "job": {"name": name, "seed": 7, "output_dir": str(tmp_path)},
         "cluster": {"nodes": 2, "workers_per_node": 2, "device": "cpu"},
@@ -32,7 +32,8 @@ def job(name: str, tmp_path, faults=(), node_agents="off", **recovery):
         "training": {"steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "log_every": 100},
         "checkpoint": {"interval_steps": 2, "keep_last": 10},
         "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_timeout_s": 60,
-                   "hang_min_s": 5, "faults": list(faults), "node_agents": node_agents},
+                   "hang_min_s": 5, "faults": list(faults), "node_agents": node_agents,
+                   "store_patience_s": store_patience_s},
         "recovery": {"restart_backoff_s": 0.0} | recovery,
     })
 
@@ -144,7 +145,10 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
     import subprocess
     import sys
 
-    cfg = job("controller-killed", tmp_path, faults=[{"rank": 0, "step": 5, "kind": "slow", "seconds": 1.0}])
+    # A short store patience: a dead controller's lease expires store_patience_s + 10 s after its
+    # last renewal, and the resubmitted controller waits that out.
+    cfg = job("controller-killed", tmp_path, faults=[{"rank": 0, "step": 5, "kind": "slow", "seconds": 1.0}],
+              store_patience_s=5.0)
     path = tmp_path / "job.yaml"
     path.write_text(cfg.to_yaml())
     first = subprocess.Popen([sys.executable, "-c", _CONTROLLER, cluster.address, str(path),

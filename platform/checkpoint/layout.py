@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from longrun import safe_files
 from longrun.checkpoint.stored import read_stored
 
 MANIFEST = "manifest.json"
@@ -138,17 +139,13 @@ def fsync_dir(path: str) -> None:
 
 def replace_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write `data` at `path` so a reader sees the old content or the new, never a part: on a
-    local disk a temporary file, fsynced, renamed over it (and the directory fsynced); on an
-    object store one PUT, which replaces an object whole (a move would be a copy there)."""
+    local disk a new temporary file, fsynced, renamed over it (`safe_files.replace_file`: never
+    written through a planted link) and the directory fsynced; on an object store one PUT,
+    which replaces an object whole (a move would be a copy there)."""
     if not isinstance(fs, LocalFileSystem):
         fs.pipe_file(path, data)
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    safe_files.replace_file(path, data)
     fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -10,6 +10,8 @@ file is there at its size, write DCP's `.metadata` from the reports, then the ma
 the manifest is what makes the directory a checkpoint (`layout.py`), so nothing is renamed or
 moved (on an object store a move is a copy of every byte); then point `latest` at it and apply
 retention (the newest commit is always kept; a rollback's fenced checkpoints go, `lineage.py`).
+Before the manifest and again before retention it checks that the root still belongs to the
+controller it started under (`owner.py`); another owner there ends the job instead.
 
 A save that fails removes what it wrote at once (the coordinator, whose commit a failure
 aborts, the whole uncommitted directory), so a disk that stays full is not filled further by
@@ -52,8 +54,10 @@ from longrun.checkpoint.layout import (
 )
 from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.checkpoint.manifest import HashingWriter, Manifest, ShardInfo
+from longrun.checkpoint.owner import ensure_owner, owner_id
 from longrun.checkpoint.records import lay_out, write_local, write_stream
 from longrun.checkpoint.snapshot import Snapshot
+from longrun.kinds import FaultKind
 
 __all__ = ["CheckpointWriteError", "CheckpointWriter", "SaveJob", "SaveResult", "fsync_dir"]
 
@@ -90,6 +94,9 @@ class CheckpointWriter:
         self.ledger, self.keep_last, self.commit_timeout_s = ledger, keep_last, commit_timeout_s
         self.on_done = on_done
         self._local = isinstance(fs, LocalFileSystem)
+        # Whose root this is as the writer starts: its controller took it before placing it.
+        # Commits and retention happen only while it still is (`owner.py`).
+        self._owner = owner_id(fs, self.root) if self.coordinator else None
         self._lock = threading.Condition()
         self._job: SaveJob | None = None
         self._busy = False
@@ -132,8 +139,10 @@ class CheckpointWriter:
         with self._lock:
             failure, self._failure = self._failure, None
         if failure is not None:
-            raise CheckpointWriteError(
-                f"checkpoint save failed: {type(failure).__name__}: {failure}") from failure
+            error = CheckpointWriteError(f"checkpoint save failed: {type(failure).__name__}: {failure}")
+            # A cause that would recur in any attempt (a foreign owner of the root) ends the job.
+            error.fault_kind = getattr(failure, "fault_kind", FaultKind.EXCEPTION)
+            raise error from failure
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the save in flight and the deletions it started, then stop the threads."""
@@ -302,6 +311,7 @@ class CheckpointWriter:
         job.manifest.created_unix = time.time()
         if self._local:
             fsync_dir(step_dir)  # the files' names are durable before a manifest names them
+        ensure_owner(self.fs, self.root, self._owner, f"the commit of step {job.step}")
         # The commit: one file, written whole or not at all (`layout.replace_file`).
         replace_file(self.fs, f"{step_dir}/{MANIFEST}", job.manifest.to_json())
         if self._local:
@@ -314,6 +324,7 @@ class CheckpointWriter:
         except FenceError as exc:  # which ones are abandoned is unknown: delete nothing
             log.warning("checkpoint retention skipped: %s", exc)
             return
+        ensure_owner(self.fs, self.root, self._owner, f"checkpoint retention after step {job.step}")
         removed = apply_retention(self.fs, self.root, self.keep_last, committed=job.step, fenced=fenced,
                                   remove=self._deleter.submit if self._deleter is not None else None)
         if removed:

@@ -42,11 +42,14 @@ def cmd_run(args) -> int:
     from longrun.config.runnable import check_runnable
 
     check_runnable(cfg)  # before any service starts
+    from longrun.checkpoint.owner import in_use_refusal
     from longrun.controller.precheck import checkpoint_problem
 
-    # The controller asks again (and warns); asked here, a refused resume starts nothing and
-    # leaves the run directory's config.yaml describing the checkpoints it has.
-    problem = checkpoint_problem(cfg, quiet=True)
+    # The controller asks both again (and takes the directory); asked here, a second writer of
+    # the checkpoint directory (another `longrun run` of this config, with a Redis of its own)
+    # or a refused resume starts nothing and leaves the run directory's config.yaml describing
+    # the checkpoints it has.
+    problem = in_use_refusal(cfg.checkpoint_dir) or checkpoint_problem(cfg, quiet=True)
     if problem is not None:
         console.print(f"[red]error[/]: {shown(problem, newlines=True)}", highlight=False)
         return 1

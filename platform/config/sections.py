@@ -483,7 +483,9 @@ class HealthSection(Section):
         "64 ranks on, 'on' or 'off' for any size.")
     store_patience_s: Duration = Field(
         60.0, description="How long job-state writes and checkpoint commit reports retry while Redis "
-        "is unreachable (a restart, a failover) before the error is raised.")
+        "is unreachable (a restart, a failover) before the error is raised. A controller that could "
+        "not renew its lease for this long stops; the lease expires 10 s later, and only then may "
+        "another controller take the job over.")
     faults: list[FaultSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -34,7 +34,13 @@ budget spent) -> PLACING.
 
 What the next controller needs lives in Redis under the job's prefix (record, events, restart
 history, evictions), written through a client that rides out a Redis restart: a controller
-started again with the same job name continues with the next attempt.
+started again with the same job name continues with the next attempt. What the recovery policy
+decides from (restarts spent, evictions, skipped data windows) is kept beside the checkpoints
+too (recovery_file.py), for a Redis that forgot the job.
+
+One controller runs a job name (a lease in Redis, lease.py; a controller that loses it stops)
+and one writes a checkpoint directory (owner.lock in it, checkpoint/owner.py): a second is
+refused before anything is placed, with a sentence naming the one that runs.
 """
 
 from __future__ import annotations
@@ -48,16 +54,18 @@ from typing import Any
 import redis
 
 from longrun import keys
+from longrun.checkpoint.owner import CheckpointDirInUse, ForeignOwner, Ownership
 from longrun.config import JobConfig
 from longrun.controller.attempt import Attempt
 from longrun.controller.elastic import Sizing, layout_key
 from longrun.controller.job_state import JobRecordStore, job_status
-from longrun.controller.lease import ControllerLease, ControllerRunning
+from longrun.controller.lease import ControllerLease, ControllerRunning, lease_ttl_s
 from longrun.controller.listeners import standard_listeners
 from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
 from longrun.controller.precheck import checkpoint_problem, fence_rollback, sweep_partial_saves
 from longrun.controller.rank_logs import RankLogs
 from longrun.controller.ray_deaths import WorkerDeath
+from longrun.controller.recovery_file import RecoveryKeeper
 from longrun.controller.state import JobState, JobStateMachine
 from longrun.controller.user_view import user_view_listeners
 from longrun.controller.watch import Watcher
@@ -70,6 +78,7 @@ from longrun.kinds import StartupPhase
 from longrun.node_names import NodeNames
 from longrun.observability.controller_metrics import ControllerMetrics
 from longrun.observability.discovery import advertised_address, target_groups
+from longrun.safe_files import UnsafePath
 from longrun.services.redis_client import patient_client, quick_client
 from longrun.worker import preemption
 
@@ -101,6 +110,7 @@ class Controller:
         self.client = patient_client(redis_url, cfg.health.store_patience_s)  # the record path
         self.watch_client = quick_client(redis_url)  # heartbeats: a miss is retried next poll
         self.record = JobRecordStore(self.client, cfg.job.name)
+        self.policy_memory = RecoveryKeeper(cfg.checkpoint_dir, self.record)  # recovery_file.py
         self.machine = JobStateMachine()
         self.placement_timeout_s = placement_timeout_s  # None: the placement phase's deadline
         self.diagnostics_timeout_s = diagnostics_timeout_s
@@ -115,6 +125,8 @@ class Controller:
         self.summary: dict[str, Any] | None = None  # set on SUCCEEDED and PREEMPTED
         self.failure: str | None = None  # set on FAILED
         self.stop_request: str | None = None  # why the job was asked to stop (request_preemption)
+        self.lease_lost: str | None = None  # why this controller's lease was lost (it then stops)
+        self.ownership: Ownership | None = None  # its checkpoint root, held while run() runs
         self._preempt_deadline: float | None = None
         # Elastic continuation: None unless recovery.min_nodes is set. `layout` is the config
         # the current (or last) attempt runs: cfg itself, or a smaller one after a shrink.
@@ -174,16 +186,21 @@ class Controller:
 
     # -- driving -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Run the job to its end; the summary of rank 0, or JobFailed with the reason
-        (ControllerRunning, touching nothing, when a live controller runs this job name)."""
-        # Its own client (the renewals run in a thread of their own), as patient as the record's.
-        lease = ControllerLease(patient_client(self.redis_url, self.cfg.health.store_patience_s),
-                                self.cfg.job.name)
+        """Run the job to its end; the summary of rank 0, or JobFailed with the reason (touching
+        nothing when a live controller runs this job name or owns its checkpoint directory; and
+        when this controller's lease is lost, after its workers were stopped)."""
+        # Its own clients: taken and given back as patiently as the record is written, renewed
+        # (in a thread of its own) by one that fails fast, so that losing it is noticed in time.
+        patience = self.cfg.health.store_patience_s
+        lease = ControllerLease(patient_client(self.redis_url, patience), self.cfg.job.name,
+                                ttl_s=lease_ttl_s(patience), give_up_s=patience,
+                                renew_client=quick_client(self.redis_url), on_lost=self._lease_lost)
         try:
             try:
                 lease.acquire()
             except ControllerRunning as exc:
                 raise JobFailed(str(exc)) from exc
+            self.ownership = self._own_checkpoint_dir()  # before anything is written there
             while not self.machine.state.terminal:
                 self.step()
             self._fold_worker_deaths()  # before the job's last line
@@ -203,11 +220,38 @@ class Controller:
             try:
                 self._release()
             finally:
-                lease.release()
+                try:
+                    if self.ownership is not None:  # its workers are stopped: none writes there now
+                        self.ownership, ownership = None, self.ownership
+                        ownership.release()
+                finally:
+                    lease.release()
         if self.machine.state is JobState.FAILED:
             raise JobFailed(self.failure)
         assert self.summary is not None  # SUCCEEDED, PREEMPTED, or STOPPED on request
         return self.summary
+
+    def _own_checkpoint_dir(self) -> Ownership:
+        """Take the checkpoint root for this controller (`checkpoint/owner.py`); JobFailed with
+        the refusal, nothing written, when another controller owns it."""
+        where = self.cfg.checkpoint_dir
+        try:
+            return Ownership.take(where, self.cfg.job.name)
+        except (CheckpointDirInUse, UnsafePath) as exc:
+            raise JobFailed(str(exc)) from None
+        except OSError as exc:
+            raise JobFailed(f"the checkpoint directory {where} cannot be written ({exc}); point "
+                            "checkpoint.dir at a directory this user can write") from None
+
+    def _lease_lost(self, reason: str) -> None:
+        """From the lease's thread: the next step stops the job (placements and backoffs under
+        way give up at their next look)."""
+        self.lease_lost = reason
+
+    def _stopping(self) -> bool:
+        """Whether a wait under way (a placement, a backoff) should end: a stop was asked for or
+        the lease was lost."""
+        return self.stop_request is not None or self.lease_lost is not None
 
     def request_preemption(self, reason: str) -> None:
         """Ask the job to stop with its work saved (safe from a signal handler: the next
@@ -219,6 +263,12 @@ class Controller:
         """Do the current state's work once; the state it led to."""
         self._fold_worker_deaths()
         state = self.machine.state
+        if self.lease_lost is not None and not state.terminal:
+            # Another controller may run this job now: stop the workers (run()'s release) and
+            # write nothing more to the record, which may be that controller's.
+            raise JobFailed(f"{self.lease_lost}; this controller stopped its workers and ends here "
+                            "(`longrun status` shows who runs the job now; if nobody does, run it "
+                            "again: it continues from its newest checkpoint)")
         if self.stop_request is not None and not state.terminal:
             if self._forced():
                 self._stop_now()
@@ -328,13 +378,19 @@ class Controller:
     def _on_recovering(self) -> None:
         recovery = self.machine.history[-1]  # the move into RECOVERING, carrying its decision
         left = recovery.decision.backoff_s
-        while left > 0 and self.stop_request is None:  # a stop request cuts the wait short
+        while left > 0 and not self._stopping():  # a stop request cuts the wait short
             self.sleep(min(left, BACKOFF_SLICE_S))  # pacing restarts is the point, not synchronisation
             left -= BACKOFF_SLICE_S
-        if self.stop_request is not None:
+        if self._stopping():
             return  # the next step() stops the job
         self.attempt = self.attempt.next(recovery, keys.allocate_attempt(self.client, self.cfg.job.name,
                                                                         at_least=self.attempt.number + 1))
+        if self.ownership is not None:
+            try:  # on an object store a later controller may have taken the root (owner.py)
+                self.ownership.verify(f"placing attempt {self.attempt.number}")
+            except ForeignOwner as exc:
+                self._fail(str(exc))
+                return
         sweep_partial_saves(self.cfg)  # the last attempt's workers were stopped: none is saving
         self._move(JobState.PLACING, self._placing_reason())
 
@@ -364,7 +420,7 @@ class Controller:
         return self.launch(layout, attempt=self.attempt.number, redis_url=self.redis_url,
                            evicted=self.record.evicted(), timeout_s=timeout_s,
                            resume_before_step=self.attempt.resume_before_step, skip_steps=self.record.skips(),
-                           cancelled=lambda: self.stop_request is not None)
+                           cancelled=self._stopping)
 
     def _place(self) -> JobConfig | None:
         """Place this attempt at the configured size, always tried first (so a restart grows
@@ -563,9 +619,11 @@ class Controller:
     def _resume_point(self) -> None:
         """Pick the attempt number, from the store's counter (`keys.allocate_attempt`). Attempt
         ids are never reused under one job name (stale keys of an old attempt must not meet a
-        new one). A previous controller that did not finish
-        is continued: same history, same evictions, the next attempt, and what its attempts
-        left in Redis is deleted. A finished job's name starts a new run with a clean history."""
+        new one). A previous controller that did not finish, or whose job was PREEMPTED or
+        STOPPED (run again to resume), is continued: same history, same evictions, the next
+        attempt, and what its attempts left in Redis is deleted. A job that SUCCEEDED or FAILED
+        leaves its name to a new run with a clean history. Without a record in Redis, what the
+        job kept beside its checkpoints is read back (`_recall_policy`)."""
         previous = self.record.read()
         # Goodput continues after PREEMPTED (a SIGTERM and a rerun are one job) or a lost
         # controller, whose last attempt's ledger it reads before the keys below are deleted.
@@ -573,11 +631,13 @@ class Controller:
         job = self.cfg.job.name
         if previous is None:
             self.attempt = Attempt(keys.allocate_attempt(self.client, job))
+            self._recall_policy()  # a Redis that forgot: what was kept beside the checkpoints
             return
         self.attempt = Attempt(keys.allocate_attempt(self.client, job, at_least=previous.attempt + 1))
         keys.delete_attempts_before(self.client, self.cfg.job.name, self.attempt.number)
-        if previous.state.terminal:
+        if previous.state in (JobState.SUCCEEDED, JobState.FAILED):  # PREEMPTED and STOPPED resume
             self.record.reset()
+            self.policy_memory.forget()
             return
         self._event("resume", f"a previous controller ran attempts up to {previous.attempt} "
                     f"(last state {previous.state}); continuing with attempt {self.attempt.number}")
@@ -612,14 +672,27 @@ class Controller:
         self.record.add_restart(restart.to_dict(), window_s=self.cfg.recovery.restart_window_s)
         if decision.skip_steps is not None:  # kept for every later attempt, in the job record
             self.record.add_skip(*decision.skip_steps)
+        self.policy_memory.keep()  # beside the checkpoints too, for a Redis that forgets
         if decision.resume_before_step is not None:  # the spiked path's checkpoints, for good
             fence_rollback(self.cfg, decision.resume_before_step, decision.reason)
         self._move(JobState.RECOVERING, decision.reason, decision)
+
+    def _recall_policy(self) -> None:
+        """Put back the restart budget spent, the evicted nodes and the skipped data windows
+        this job kept beside its checkpoints into a Redis that has no record of it (the
+        embedded one of a new `longrun run`, one restarted without persistence)."""
+        memory = self.policy_memory.recall()
+        if memory is not None:
+            self._event("policy_recalled", f"Redis held no record of this job; what its recovery policy "
+                        f"learned was read back from {self.cfg.checkpoint_dir}: {memory.describe()}",
+                        restarts=memory.restarts_total, evicted=sorted(memory.evicted),
+                        skips=[list(w) for w in memory.skips])
 
     def _succeed(self) -> None:
         summary = self.attempt.summaries[0]
         self.record.update(step=summary["step"], loss=summary["loss"])
         self._end_attempt()
+        self.policy_memory.forget()  # a finished job's name starts afresh
         self._move(JobState.SUCCEEDED, f"finished {summary['step']} steps in attempt {self.attempt.number}")
         self.summary = summary | {"attempt": self.attempt.number, "restarts": self.record.restart_count(),
                                   "evicted": sorted(self.record.evicted()),
@@ -627,6 +700,7 @@ class Controller:
 
     def _fail(self, reason: str, decision: Decision | None = None) -> None:
         self._end_attempt()
+        self.policy_memory.forget()  # a failed job's name starts afresh, as its record does
         self.failure = self.names.in_text(reason)  # what `longrun run` prints
         self._move(JobState.FAILED, reason, decision)
 

@@ -127,6 +127,21 @@ class JobRecordStore:
     def evicted(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.client.hgetall(self.evicted_key).items()}
 
+    def restore_policy(self, restarts_total: int, restarts: list[dict[str, Any]], evicted: dict[str, str],
+                       skips: list[tuple[int, int]]) -> None:
+        """Put back what the policy decides from (kept beside the checkpoints while Redis forgot:
+        `recovery_file.py`), into a record that has none of it."""
+        with self.client.pipeline() as pipe:
+            pipe.delete(self.restarts_key, self.evicted_key, self.skips_key)
+            if restarts:
+                pipe.rpush(self.restarts_key, *(json.dumps(r) for r in restarts))
+            pipe.hset(self.record_key, RESTARTS_TOTAL, restarts_total)
+            if evicted:
+                pipe.hset(self.evicted_key, mapping=evicted)
+            if skips:
+                pipe.sadd(self.skips_key, *(f"{first}-{last}" for first, last in skips))
+            pipe.execute()
+
     def reset(self) -> None:
         """Forget a finished job's history, so its name can be reused from scratch."""
         self.client.delete(self.record_key, self.events_key, self.restarts_key, self.evicted_key,

@@ -13,6 +13,13 @@ is a dead controller's (killed, its host lost), which expires within `ttl_s` and
 over, as a resubmitted job must. The renewal is compare-and-expire (a Lua script), so a
 controller never extends a lease another has taken since; one that finds its lease gone (Redis
 restarted without it) takes it again if it is free.
+
+A lease that is lost stops its controller (`on_lost`): one that finds another controller
+holding it, or that could not renew it for `give_up_s` (Redis away; the key may expire and be
+taken). The expiry outlasts the store patience (`lease_ttl_s`): a controller cut off from Redis
+gives up, as its record writes do, after `health.store_patience_s`, and its lease still stands
+for STOP_MARGIN_S after that, time to stop its workers before another controller can take the
+job over. The price: a dead controller's job is taken over that much later.
 """
 
 from __future__ import annotations
@@ -32,7 +39,17 @@ from longrun import keys
 
 log = logging.getLogger(__name__)
 
-TTL_S = 10.0  # a dead controller's lease is taken over at most this long after it died
+# How long a lease stands after its controller gave up renewing it (time to stop its workers).
+STOP_MARGIN_S = 10.0
+RENEW_EVERY_MAX_S = 2.0  # a second controller learns within this long that the holder lives
+
+
+def lease_ttl_s(store_patience_s: float) -> float:
+    """The expiry of a controller's lease: longer than the store patience, by STOP_MARGIN_S."""
+    return store_patience_s + STOP_MARGIN_S
+
+
+TTL_S = lease_ttl_s(60.0)  # with the default health.store_patience_s
 
 # Extend the expiry only if the lease is still this holder's.
 _RENEW = """
@@ -54,11 +71,27 @@ class ControllerRunning(RuntimeError):
 
 
 class ControllerLease:
+    """`client` takes and gives back the lease; `renew_client` (default: `client`) renews it and
+    should fail fast, so that `give_up_s` (default: the expiry less STOP_MARGIN_S, or half of
+    it) is kept while Redis is away. `on_lost(reason)` is called once, from the renewing
+    thread, when the lease is lost."""
+
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: float = TTL_S,
-                 renew_every_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+                 renew_every_s: float | None = None, give_up_s: float | None = None,
+                 renew_client: redis.Redis | None = None, on_lost: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.client, self.job, self.key = client, job, keys.job_controller_key(job)
+        self.renew_client = renew_client or client
         self.ttl_ms = int(ttl_s * 1000)
-        self.renew_every_s = renew_every_s if renew_every_s is not None else ttl_s / 5
+        # Not renewed for this long: stop, while the lease still stands for the rest of its expiry.
+        self.give_up_s = give_up_s if give_up_s is not None else ttl_s - min(STOP_MARGIN_S, ttl_s / 2)
+        self.renew_every_s = (renew_every_s if renew_every_s is not None
+                              else min(ttl_s / 5, self.give_up_s / 2, RENEW_EVERY_MAX_S))
+        if self.give_up_s >= ttl_s:
+            raise ValueError(f"a lease must be given up (after {self.give_up_s:g} s unrenewed) before it "
+                             f"expires ({ttl_s:g} s)")
+        self.on_lost = on_lost or (lambda reason: None)
+        self.lost: str | None = None  # why the lease was lost, once it was
         self.value = json.dumps({"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                                  "since": time.time()})
         self.clock = clock
@@ -83,6 +116,7 @@ class ControllerLease:
             # Redis offers no notification of an expiry worth relying on (keyspace events are
             # off by default): look again within a renewal interval.
             self._stop.wait(min(self.renew_every_s / 2, max(ttl, 1) / 1000))
+        self._renewed_at = self.clock()
         self._thread = threading.Thread(target=self._renew, name=f"longrun-lease-{self.job}", daemon=True)
         self._thread.start()
 
@@ -100,26 +134,51 @@ class ControllerLease:
                         self.ttl_ms / 1000)
         finally:
             self.client.close()
+            if self.renew_client is not self.client:
+                self.renew_client.close()
 
     def _renew(self) -> None:
         while not self._stop.wait(self.renew_every_s):
             try:
                 # Not renewed: gone (a Redis restarted without it; taken back if free) or, if the
                 # store lost it long enough for another to take it, another controller's.
-                if (not self.client.eval(_RENEW, 1, self.key, self.value, self.ttl_ms)
-                        and not self.client.set(self.key, self.value, nx=True, px=self.ttl_ms)):
-                    log.error("the controller lease of job %s is held by another controller: %s",
-                              self.job, self.client.get(self.key))
-            except redis.RedisError as exc:  # the store away: the next interval tries again
-                log.warning("controller lease of %s not renewed (%s)", self.job, exc)
+                client = self.renew_client
+                if (client.eval(_RENEW, 1, self.key, self.value, self.ttl_ms)
+                        or client.set(self.key, self.value, nx=True, px=self.ttl_ms)):
+                    self._renewed_at = self.clock()
+                    continue
+                holder = client.get(self.key)
+            except redis.RedisError as exc:  # the store away: tried again until give_up_s is over
+                unrenewed = self.clock() - self._renewed_at
+                if unrenewed < self.give_up_s:
+                    log.warning("controller lease of %s not renewed (%s)", self.job, exc)
+                    continue
+                self._lose(f"Redis could not be reached to renew it for {unrenewed:.0f} s (it expires "
+                           f"{self.ttl_ms / 1000:g} s after its last renewal, and another controller may "
+                           "then take the job over)")
+                return
+            self._lose(f"another controller holds it now, {self._holder_text(holder)}")
+            return
 
-    def _refusal(self, holder: bytes | str | None) -> str:
+    def _lose(self, why: str) -> None:
+        self.lost = f"the controller lease of job {self.job!r} is lost: {why}"
+        log.error("%s", self.lost)
+        self.on_lost(self.lost)
+
+    @staticmethod
+    def _holder_text(holder: bytes | str | None) -> str:
+        """Where the controller holding a lease runs: 'on HOST (pid PID, since WHEN)'."""
         try:
             who = json.loads(holder) if holder else {}
         except ValueError:
             who = {}
+        if not isinstance(who, dict):
+            who = {}
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"])) if "since" in who else "?"
-        where = f"on {who.get('host', '?')} (pid {who.get('pid', '?')}, since {since})"
+        return f"on {who.get('host', '?')} (pid {who.get('pid', '?')}, since {since})"
+
+    def _refusal(self, holder: bytes | str | None) -> str:
+        where = self._holder_text(holder)
         return (f"job {self.job!r} is already running: its controller {where} holds the job's lease and "
                 "renews it. Find it with `longrun list` (`longrun status ID` follows it, `longrun stop ID` "
                 "stops it), or run this config under another job.name.")

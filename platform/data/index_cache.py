@@ -30,7 +30,6 @@ Nothing is ever deleted: `rm -rf .longrun-index` is safe whenever no job is star
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -43,14 +42,13 @@ from typing import Any
 import numpy as np
 
 from longrun.data.index_file import UnusableIndex, key_sha256, read_index, write_index
+from longrun.file_lock import NO_LOCKS, holder_of
 from longrun.safe_files import open_lock
 
 logger = logging.getLogger(__name__)
 
 SIDECAR = ".longrun-index"
 SUFFIX = ".lri"
-# errnos with which a file system says it does not do flock (Lustre without -o flock, some FUSE).
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 Arrays = dict[str, np.ndarray]
 
@@ -149,7 +147,7 @@ def _locked(path: Path) -> Iterator[None]:
             logger.info("waiting for %s to finish building %s", _holder(fd), path.with_suffix(""))
             fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the builder finishes or dies
         except OSError as exc:
-            if exc.errno not in _NO_LOCKS:
+            if exc.errno not in NO_LOCKS:
                 raise
             logger.debug("no file locks on %s (%s): building without one", path.parent, exc)
         with contextlib.suppress(OSError):  # a name for whoever waits; the lock works without it
@@ -161,7 +159,4 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _holder(fd: int) -> str:
-    with contextlib.suppress(OSError):
-        if text := os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip():
-            return text
-    return "another process"
+    return holder_of(fd) or "another process"
