@@ -50,8 +50,8 @@ _KEEP = _ops(
     "aten._flash_attention_forward",
     # The packed-documents kernel on CUDA (packed_attention.py). It is one custom op over
     # aten._flash_attention_forward, so without it here the whole attention ran again in
-    # backward: the GPU run of issue 40 counted twice the forward calls and 0.72 of no
-    # checkpointing's throughput.
+    # backward: the GPU run of issue 40 counted twice the forward calls (once named, the
+    # flash forward ran once per attention again; docs/benchmarks.md).
     "torch_attn._varlen_attn",
     "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_gather_into_tensor",
     "_c10d_functional.all_reduce",
