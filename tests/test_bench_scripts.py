@@ -117,7 +117,6 @@ def test_the_placement_scale_bench_places_starts_fits_and_cleans_up():
     assert not left, left
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 @pytest.mark.slow  # two simulated worlds per kind, spawned: about a minute on 2 cores
 def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_ratio():
     # bench/group_init.py's store and reform-store measurements at 64 simulated ranks, one rep.
@@ -139,6 +138,7 @@ def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_rat
     assert reform["redis_s"] == pytest.approx(reform["delete_old_attempt_s"] + reform["rekey_s"], abs=0.002)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 def test_mfu_benchmark_skips_without_a_gpu():
     out = _run()
     assert out.returncode == 0, out.stderr
