@@ -392,6 +392,41 @@ def test_buffers_are_allocated_once_and_reused(tmp_path):
         ckpt.close()
 
 
+def test_a_cpu_save_returns_before_its_copy_and_the_next_update_waits_for_it(tmp_path, monkeypatch):
+    """The copy of a CPU state runs in the writer's thread, overlapping the next forward and
+    backward; the optimizer update waits for it, so the checkpoint holds the saved step's
+    weights, not a mix with the next step's."""
+    from longrun.checkpoint.snapshot import Snapshot
+
+    gate = threading.Event()
+    copy = Snapshot.copy
+
+    def gated_copy(self):
+        gate.wait()
+        copy(self)
+    monkeypatch.setattr(Snapshot, "copy", gated_copy)
+    cfg = w.config(str(tmp_path / "ckpt"))
+    with Trainer(cfg, progress=False) as trainer:
+        ckpt = Checkpointer(cfg)
+        trainer.train_step()
+        saved = w.weights(trainer)
+        ckpt.save(trainer)
+        pending = ckpt._pending
+        assert pending is not None and not pending.ready  # save() did not wait for the copy
+        copied_before_update = []
+        trainer.before_update.append(lambda: copied_before_update.append(pending.ready))
+        step = threading.Thread(target=trainer.train_step)
+        step.start()
+        gate.set()
+        step.join()
+        assert copied_before_update == [True]
+        assert not all(torch.equal(saved[k], v) for k, v in w.weights(trainer).items())  # it trained on
+        ckpt.close()
+    with Trainer(cfg, progress=False) as fresh:
+        assert Checkpointer(cfg).restore(fresh).step == 1
+        assert all(torch.equal(w.weights(fresh)[k], saved[k]) for k in saved)
+
+
 def test_a_rank_that_never_reports_aborts_the_commit_naming_it(tmp_path):
     from longrun.checkpoint import CheckpointWriter, HostStager, LocalCommitLedger, Manifest
     from longrun.checkpoint.writer import SaveJob
@@ -509,3 +544,52 @@ def test_a_workers_restore_that_meets_a_corrupt_step_ends_with_the_previous_one_
         assert restored.step == 3 and restored.skipped[0][0] == 6
         got = w.weights(trainer)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("options", [{"fused": True}, {"foreach": True}, {"amsgrad": True}],
+                         ids=["fused", "foreach", "amsgrad"])
+def test_the_optimizer_state_laid_out_for_a_restore_is_the_one_adam_would_make(options):
+    """`lay_out_state` makes what torch's lr-0 step would (each key, dtype, shape and device,
+    `step` where the kernel wants it) without taking the step; an optimizer that has state,
+    or another optimizer, is left alone."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from longrun.trainer.optim import lay_out_state
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, **options)
+
+    stepped, laid_out = fresh(), fresh()
+    _init_optim_state(stepped)
+    assert lay_out_state(laid_out) and not lay_out_state(laid_out)  # once only
+    want = [stepped.state[p] for p in stepped.param_groups[0]["params"]]
+    got = [laid_out.state[p] for p in laid_out.param_groups[0]["params"]]
+    assert [sorted(s) for s in got] == [sorted(s) for s in want]
+    for have, need in zip(got, want, strict=True):
+        assert all((have[k].dtype, have[k].shape, have[k].device)
+                   == (need[k].dtype, need[k].shape, need[k].device) for k in need)
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert not lay_out_state(sgd) and not sgd.state
+
+
+def test_a_restore_into_a_fresh_optimizer_takes_no_step(two_checkpoints, monkeypatch):
+    """A restore builds the live state it reads into without torch's step at lr 0 (a pass
+    over every parameter and moment, about half of a cold restore at size), and still ends
+    with the newest checkpoint's weights and optimizer state bitwise."""
+    cfg, _ = two_checkpoints
+    with Trainer(cfg, progress=False) as reference:
+        assert Checkpointer(cfg).restore(reference).step == 6
+        want_optim = {k: v.clone() for k, v in reference.optimizer.state_dict()["state"][0].items()}
+        want = w.weights(reference)
+    steps = []
+    step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step",
+                        lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    with _worker_trainer(cfg) as trainer:
+        assert Checkpointer(cfg).restore(trainer).step == 6
+        assert steps == []
+        assert all(torch.equal(v, want[k]) for k, v in w.weights(trainer).items())
+        got_optim = trainer.optimizer.state_dict()["state"][0]
+        assert all(torch.equal(got_optim[k], v) for k, v in want_optim.items())

@@ -39,6 +39,7 @@ from longrun.config import JobConfig
 from longrun.config.identity import identity_changes, job_identity, starts_new_data
 from longrun.config.vocabulary import tokenizer_record
 from longrun.parallel.dims import coords_of, leads_its_stage
+from longrun.trainer.optim import lay_out_state
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,14 @@ class Checkpointer:
                 return None
             self.writer.wait_idle()
             self.writer.raise_if_failed()
-        snapshot = self.stager.stage(self.files_of(trainer.state_dict()))
+        # Asynchronous saves leave a CPU state's copy to the writer's thread (the GPU's runs on
+        # a side stream): training goes on and waits for it in before_update(), which is made
+        # sure to run before this trainer's next optimizer update.
+        hooks = getattr(trainer, "before_update", None)
+        if hooks is not None and self.before_update not in hooks:
+            hooks.append(self.before_update)
+        snapshot = self.stager.stage(self.files_of(trainer.state_dict()),
+                                     defer=self.cfg.checkpoint.async_save)
         manifest = None
         if self.rank == 0:
             manifest = Manifest(step=trainer.step, world_size=self.world_size, dp_size=self.dp_size,
@@ -125,11 +133,14 @@ class Checkpointer:
         return files
 
     def before_update(self) -> None:
-        """Call right before the optimizer changes the weights: a GPU snapshot still copying
-        must finish first (on the CPU the copy was synchronous, so this returns at once)."""
+        """Call right before the optimizer changes the weights: a snapshot still copying (on a
+        GPU's side stream, or in the writer's thread on the CPU) must finish first."""
         if self._pending is not None:
+            start = time.perf_counter()
             self._pending.wait()
             self._pending = None
+            if self.last_blocking_s is not None:  # the rest of the save's cost to training
+                self.last_blocking_s += time.perf_counter() - start
 
     def due(self, step: int) -> bool:
         """Whether a save is due after `step`: every checkpoint.interval_steps and at the last."""
@@ -168,6 +179,7 @@ class Checkpointer:
         """Load the newest usable checkpoint (below `before_step` if given) into `trainer`,
         whatever layout wrote it; None (and no change) if there is none. Collective over the
         groups when given (`dp_group`: this rank's replica group)."""
+        self.before_update()  # a copy still reading the weights finishes before they are overwritten
         ledger, restore = self.writer.ledger, next(_RESTORES)
         agree = None
         if ledger.shared and self.world_size > 1:
@@ -176,9 +188,12 @@ class Checkpointer:
                 return ledger.agree(f"{key}-{restore}", self.rank, ok, self.world_size,
                                     self.cfg.checkpoint.restore_timeout_s)
         # Building the live state to load into gives an optimizer without state yet its state
-        # (torch's get_state_dict takes a step at lr 0); if nothing is restored after all, that
-        # must not change the fresh run's trajectory (AdamW's step count).
+        # (torch's get_state_dict would take a step at lr 0; lay_out_state makes the same
+        # tensors unfilled); if nothing is restored after all, that must not change the fresh
+        # run's trajectory (AdamW's step count), so the state is cleared again.
         fresh = not trainer.optimizer.state
+        if fresh:
+            lay_out_state(trainer.optimizer)  # instead of that step: the same tensors, not filled
         restored = restore_latest(
             self.fs, self.root, model=self.cfg.model.model_dump(mode="json"),
             template=trainer.state_dict, rank=self.rank, world_size=self.world_size,

@@ -5,7 +5,9 @@ values (`Trainer.state_dict()`). Tensors are copied into host buffers that are a
 first save and reused by every later one (same path, shape and dtype), so a steady-state save
 allocates nothing. On a GPU the buffers are pinned and the copies run on a side CUDA stream;
 the trainer keeps computing and waits for the copy only just before the optimizer next changes
-the weights (`Snapshot.wait()`). On the CPU the copy is a plain, synchronous memcpy.
+the weights (`Snapshot.wait()`). On the CPU the copy is a memcpy that `stage(defer=True)` leaves
+to whoever calls `Snapshot.copy()` (the checkpoint writer's thread), so there too it overlaps the
+next step's forward and backward, which read the weights but do not change them.
 
 Buffers are reused, so a snapshot's tensors stay valid only until the next `stage()`: the
 writer must be done with one save before the next is staged (the `Checkpointer` enforces it).
@@ -14,6 +16,7 @@ writer must be done with one save before the next is staged (the `Checkpointer` 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +25,37 @@ import torch
 from torch import Tensor
 
 
+def _done() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class HostCopy:
-    """A copy into host memory that may still be running on a CUDA stream (`_event` marks its end)."""
+    """A copy into host memory that may still be running: on a CUDA stream (`_event` marks its
+    end) or, on the CPU, left to whoever calls `copy()` (`_copy`; `_copied` is set once it ran)."""
 
+    _copy: Callable[[], None] | None = field(default=None, repr=False, kw_only=True)
+    _copied: threading.Event = field(default_factory=_done, repr=False, kw_only=True)
     _event: torch.cuda.Event | None = field(default=None, repr=False, kw_only=True)
 
+    def __post_init__(self) -> None:
+        if self._copy is not None:
+            self._copied = threading.Event()
+
+    def copy(self) -> None:
+        """Run a deferred copy now (at most once; a no-op when there is none left)."""
+        try:
+            if self._copy is not None:
+                self._copy()
+        finally:
+            self._copy = None
+            self._copied.set()
+
     def wait(self) -> None:
-        """Block until the copy is complete (immediately true on the CPU)."""
+        """Block until the copy is complete."""
+        self._copied.wait()
         if self._event is not None:
             self._event.synchronize()
             self._event = None
@@ -45,7 +71,7 @@ class Snapshot(HostCopy):
 
     @property
     def ready(self) -> bool:
-        return self._event is None or self._event.query()
+        return self._copied.is_set() and (self._event is None or self._event.query())
 
 
 def map_tree(tree: Any, on_tensor: Callable[[str, Tensor], Any], path: str = "") -> Any:
@@ -89,7 +115,9 @@ class HostStager:
             self._buffers[path] = buf
         return buf
 
-    def stage(self, state: Any) -> Snapshot:
+    def stage(self, state: Any, *, defer: bool = False) -> Snapshot:
+        """Copy `state` into the host buffers. On the CPU with `defer`, only the buffers are
+        laid out: the copy runs when `Snapshot.copy()` is called (from another thread)."""
         nbytes = 0
         on_gpu = False
         # Tied weights (the embedding doubling as the output layer) appear twice in a
@@ -106,6 +134,9 @@ class HostStager:
                 return staged[alias]
             buf = staged[alias] = self._buffer(path, src)
             nbytes += buf.numel() * buf.element_size()
+            if defer and not src.is_cuda:
+                pairs.append((buf, src))
+                return buf
             if src.is_cuda:
                 on_gpu = True
                 # Tell the caching allocator the side stream still reads this memory.
@@ -113,9 +144,15 @@ class HostStager:
             buf.copy_(src, non_blocking=src.is_cuda)
             return buf
 
+        pairs: list[tuple[Tensor, Tensor]] = []  # the CPU copies left for later, with `defer`
+
+        def copy_all() -> None:
+            for buf, src in pairs:
+                buf.copy_(src)
+
         if not torch.cuda.is_available():
             tree = map_tree(state, copy_out)
-            return Snapshot(tree, nbytes)
+            return Snapshot(tree, nbytes, _copy=copy_all if pairs else None)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         # The side stream must see every kernel that produced the state (the optimizer step).
@@ -126,4 +163,4 @@ class HostStager:
             if on_gpu:
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        return Snapshot(tree, nbytes, _event=event)
+        return Snapshot(tree, nbytes, _event=event, _copy=copy_all if pairs else None)

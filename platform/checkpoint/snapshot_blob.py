@@ -30,10 +30,9 @@ from __future__ import annotations
 import io
 import json
 import struct
-import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -164,20 +163,6 @@ class Staged(HostCopy):
 
     flat: Tensor
     nbytes: int
-    _copy: Callable[[], None] | None = field(default=None, repr=False)
-    _copied: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    def copy(self) -> None:
-        try:
-            if self._copy is not None:
-                self._copy()
-        finally:
-            self._copy = None
-            self._copied.set()
-
-    def wait(self) -> None:
-        self._copied.wait()
-        super().wait()
 
     def blob(self) -> Blob:
         """The snapshot's bytes, a view of the buffer (valid until the next `fill`)."""
@@ -226,7 +211,7 @@ class SnapshotBuffer:
             if defer:
                 return Staged(flat, plan.nbytes, _copy=copy_all)
             copy_all()
-            return Staged(flat, plan.nbytes, _copied=_done())
+            return Staged(flat, plan.nbytes)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         # The side stream must see every kernel that produced the state (the optimizer step).
@@ -235,16 +220,10 @@ class SnapshotBuffer:
             copy_all()
             event = torch.cuda.Event()
             event.record(self._stream)
-        return Staged(flat, plan.nbytes, _copied=_done(), _event=event)
+        return Staged(flat, plan.nbytes, _event=event)
 
     def release(self) -> None:
         self._flat = None
-
-
-def _done() -> threading.Event:
-    done = threading.Event()
-    done.set()
-    return done
 
 
 # -- checksums -----------------------------------------------------------------------------------

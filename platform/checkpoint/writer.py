@@ -190,6 +190,10 @@ class CheckpointWriter:
         write_s = 0.0
         step_dir, created = None, []  # what this save wrote: removed again if it fails
         try:
+            # A CPU snapshot's copy, left to this thread so that it overlaps the next step's
+            # forward and backward; first, even for a save about to fail, because the trainer
+            # waits for it before its next optimizer update (it sets its event even if it fails).
+            job.snapshot.copy()
             name = save_dir_name(self.fs, self.root, job.step)
             step_dir = f"{self.root}/{name}"
             self.fs.makedirs(step_dir, exist_ok=True)

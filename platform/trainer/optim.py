@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 from longrun.config.sections import TrainingSection
 
@@ -21,6 +22,33 @@ def build_optimizer(model: torch.nn.Module, training: TrainingSection,
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=training.lr, betas=training.betas,
                              fused=fused, foreach=None if fused else True)
+
+
+def lay_out_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Give an Adam(W) that has no state yet its state tensors, uninitialised: the layout a
+    restore reads into. torch's `get_state_dict` would make them by zero-filling a gradient per
+    parameter and taking a step at lr 0 over the zeroed moments, which costs about as much as
+    reading the checkpoint itself; the tensors are the ones Adam's own lazy initialisation
+    makes (same dtype, device and layout, `step` where its kernel wants it). Whoever calls this
+    must overwrite them or clear `optimizer.state`. False, doing nothing, for another optimizer,
+    one with state, or one whose parameters have gradients (it has begun a step)."""
+    if optimizer.state or type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return False
+    params = [(p, group) for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None for p, _ in params):
+        return False
+    for p, group in params:
+        if not p.requires_grad:
+            continue
+        state = optimizer.state[p]
+        if group["capturable"] or group["fused"]:
+            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
+        else:
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        for name in moments:
+            state[name] = torch.empty_like(p, memory_format=torch.preserve_format)
+    return True
 
 
 def follow_training_config(optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -34,6 +34,7 @@ from longrun.checkpoint.memory_commit import commit_snapshots
 from longrun.checkpoint.restore import all_ranks_ok
 from longrun.checkpoint.sharding import globalize
 from longrun.config import JobConfig
+from longrun.trainer.optim import lay_out_state
 from longrun.worker.snapshot_transfer import SendTimeout, SnapshotUnavailable, fetch_snapshot, snapshot_sender
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def restore_from_memory(trainer, rank: int, restore: dict[str, Any],
                     problem or "another rank could not read or verify its snapshot")
         return None
     state = snapshot["state"]
+    lay_out_state(trainer.optimizer)  # a fresh optimizer's state, unfilled: the snapshot's replaces it
     trainer.load_state_dict(globalize(state, trainer.state_dict()))
     return int(state["step"])
 
