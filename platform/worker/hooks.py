@@ -61,8 +61,9 @@ class StepHooks:
         self._phase: str | None = None
         self._phase_since = 0.0
         self.ledger: StepLedger | None = None  # the step ledger, for goodput
-        # This step's seconds blocked on the data, a checkpoint and a snapshot (for the ledger).
-        self._blocked = dict.fromkeys(("data_s", "checkpoint_s", "snapshot_s"), 0.0)
+        # This step's seconds blocked on the data, a checkpoint, a snapshot and a validation pass
+        # (for the ledger).
+        self._blocked = dict.fromkeys(("data_s", "checkpoint_s", "snapshot_s", "validation_s"), 0.0)
         self._restore: tuple[int | None, str, float, int | None] | None = None  # until training begins
 
     def attach(self, trainer: Trainer) -> StepHooks:
@@ -93,6 +94,8 @@ class StepHooks:
         first = self.last is None
         self.last = m
         self.metrics.observe_step(m)
+        # The validation pass the trainer ran after this step (a test double may not say).
+        self._blocked["validation_s"] += getattr(m, "validation_s", 0.0)
         if first and self.trainer is not None:  # the optimizer's state exists from the first step
             self.metrics.observe_state(self.trainer.layout, self.trainer.state_bytes())
         plan = self.trainer.last_plan if self.trainer is not None else None
