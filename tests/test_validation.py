@@ -34,6 +34,7 @@ from longrun.observability.metrics import WorkerMetrics
 from longrun.observability.report import write_report
 from longrun.observability.tensorboard import TensorBoardWriter, tensorboard_dir
 from longrun.trainer import Trainer
+from longrun.worker.hooks import StepHooks
 
 TESTS = Path(__file__).parent
 BASE = {"job": {"name": "val"}, "training": {"steps": 10}}
@@ -287,3 +288,26 @@ def test_validation_seconds_are_a_goodput_bucket_of_their_own():
     assert "validation" in BUCKETS and buckets["validation"] == pytest.approx(1.5)
     assert buckets["checkpoint"] == pytest.approx(0.25) and buckets["productive"] == pytest.approx(1.75)
     assert StepRecord.from_json(StepRecord(2, 5.5, 2.5, validation_s=1.5).to_json()).validation_s == 1.5
+
+
+def test_a_passs_seconds_ride_on_its_steps_ledger_record():
+    """StepHooks puts the trainer's validation seconds on the step record the pass followed, and
+    only there (the goodput account reads them from it)."""
+    class Ledger:
+        def __init__(self):
+            self.records: list[tuple[int, float]] = []
+
+        def step(self, step, metrics=None, validation_s=0.0, **blocked) -> None:
+            self.records.append((step, validation_s, metrics.get("val_loss")))
+
+    class Beat:
+        def update(self, **fields) -> None: ...
+
+    hooks = StepHooks(Beat(), WorkerMetrics("val", 0))
+    hooks.ledger = Ledger()
+    with Trainer(tiny({"interval_steps": 2, "held_out": 0.1}), progress=False) as trainer:
+        hooks.trainer = trainer
+        trainer.train(steps=3, on_step=hooks.after_step)
+    seconds = {step: s for step, s, _ in hooks.ledger.records}
+    assert seconds[2] > 0 and seconds[1] == seconds[3] == 0.0
+    assert [step for step, _, val in hooks.ledger.records if val is not None] == [2]
