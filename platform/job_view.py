@@ -40,7 +40,7 @@ CLOCK_SLACK_S = 5.0
 LAST_EVENTS = 5
 
 _STATE = re.compile(r"state (" + "|".join(JobState) + r"): (.*)")
-_STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)")
+_STEP = re.compile(r"step (\d+)/(\d+)\s+loss ([0-9.]+)(?:\s+val_loss ([0-9.]+))?")
 _EVENT = re.compile(r"^(fault|decision|evicted|diagnostics_failed|resume|waiting_for_nodes|grow_requested|"
                     r"resized|stragglers): (.*)$")
 _EVICTED = re.compile(r"^node (.+?)(?: will not be used again.*| failed.*)?$")  # "evicted" event: the node
@@ -58,6 +58,9 @@ class ControllerView:
     attempt: int = 0
     step: str | None = None
     loss: float | None = None
+    # The newest validation pass's loss and the step it followed (validation.interval_steps).
+    val_loss: float | None = None
+    val_step: int | None = None
     evicted: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     source: str = "the controller's log"
@@ -85,6 +88,8 @@ def read_log(text: str, last_events: int = LAST_EVENTS) -> ControllerView:
             view.events.append(line)
         elif m := _STEP.search(line):
             view.step, view.loss = f"{m.group(1)}/{m.group(2)}", float(m.group(3))
+            if m.group(4) is not None:
+                view.val_loss, view.val_step = float(m.group(4)), int(m.group(1))
         elif m := _EVENT.match(line):
             view.events.append(line)
             if m.group(1) == "evicted" and (node := _EVICTED.match(m.group(2))):
@@ -158,13 +163,27 @@ def view_of_record(status: dict[str, Any], source: str) -> ControllerView:
     fields = status["fields"]
     steps = fields.get("steps")
     loss = json.loads(fields["loss"]) if fields.get("loss") else None
+    val_loss = _json_number(fields.get("val_loss"))
+    val_step = _json_number(fields.get("val_step"))
     names = NodeNames(_json_dict(fields.get("node_names")))
     return ControllerView(
         state=status["state"], reason=fields.get("reason", ""), attempt=status["attempt"],
         step=f"{status['step']}/{steps}" if steps else str(status["step"]),
-        loss=float(loss) if loss is not None else None, evicted=sorted(map(names.name, status["evicted"])),
+        loss=float(loss) if loss is not None else None, val_loss=val_loss,
+        val_step=int(val_step) if val_step is not None else None,
+        evicted=sorted(map(names.name, status["evicted"])),
         events=[event_line(e) for e in status["events"]], source=source, size=fields.get("size"),
         stragglers=fields.get("stragglers") or None)
+
+
+def _json_number(text: str | None) -> float | None:
+    """A number of the record, or None when it is absent or not one (the record is anyone's who
+    can write to its Redis)."""
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _json_dict(text: str | None) -> dict[str, str]:

@@ -84,6 +84,7 @@ class Phase(enum.StrEnum):
     SYNC = "sync"
     OPTIMIZER = "optimizer"
     CHECKPOINT = "checkpoint"  # a blocking save: the step is waiting for it
+    VALIDATION = "validation"  # a pass over held-out data after a step (trainer/validation.py)
     HELD = "held"  # a `hold` fault: waiting for an outside release
     DONE = "done"
     FAILED = "failed"
@@ -94,9 +95,10 @@ STEP_PHASES = (Phase.DATA, Phase.PLAN, Phase.PIPELINE, Phase.FORWARD, Phase.BACK
                Phase.OPTIMIZER)
 # Phases whose length has nothing to do with a step: a step-sized learned hang timeout would call
 # a long save or restore a hang. The start-up ones are judged by their own deadlines
-# (`STARTUP_OF`), the others (a blocking save, a held rank) by the hard ceiling.
+# (`STARTUP_OF`), the others (a blocking save, a validation pass, a held rank) by the hard ceiling.
 SLOW_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.DIAGNOSTICS, Phase.RENDEZVOUS, Phase.BUILD,
-                         Phase.RESTORE, Phase.INIT, Phase.CALIBRATION, Phase.CHECKPOINT, Phase.HELD})
+                         Phase.RESTORE, Phase.INIT, Phase.CALIBRATION, Phase.CHECKPOINT, Phase.VALIDATION,
+                         Phase.HELD})
 # Phases in which a rank has not yet trained a step of the current attempt.
 STARTING_PHASES = frozenset({Phase.STARTING, Phase.SETUP, Phase.RENDEZVOUS, Phase.BUILD, Phase.RESTORE,
                              Phase.INIT, Phase.CALIBRATION})

@@ -172,7 +172,8 @@ def test_all_queries_covers_every_panel_variable_annotation_and_alert():
 def _exported_names() -> set[str]:
     worker = WorkerMetrics("j", 0)
     worker.observe_step(SimpleNamespace(step=1, loss=1.0, grad_norm=1.0, lr=1.0, tokens=1, tokens_per_s=1.0,
-                                        step_time_s=1.0, data_wait_s=0.0, mfu=0.5, memory_bytes=1))
+                                        step_time_s=1.0, data_wait_s=0.0, mfu=0.5, memory_bytes=1,
+                                        val_loss=1.0))
     worker.observe_phase("forward", 0.1)
     worker.observe_checkpoint(0.1, 0.2)
     worker.checkpoint_committed(1, 1.0)

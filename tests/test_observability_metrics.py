@@ -24,6 +24,7 @@ WORKER_FAMILIES = {
     "longrun_train_step": ("gauge", set()),
     "longrun_train_loss": ("gauge", set()),
     "longrun_train_grad_norm": ("gauge", set()),
+    "longrun_validation_loss": ("gauge", set()),
     "longrun_train_learning_rate": ("gauge", set()),
     "longrun_train_tokens": ("counter", set()),  # the parser strips _total from the family name
     "longrun_train_tokens_per_second": ("gauge", set()),
@@ -83,7 +84,7 @@ def families(registry) -> dict:
 def busy_worker() -> WorkerMetrics:
     w = WorkerMetrics("demo", 1, attempt=2, node="node-a")
     w.observe_step(SimpleNamespace(step=7, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=100, tokens_per_s=50.0,
-                                   step_time_s=2.0, data_wait_s=0.1, mfu=0.4, memory_bytes=123))
+                                   step_time_s=2.0, data_wait_s=0.1, mfu=0.4, memory_bytes=123, val_loss=2.5))
     for phase in ("data", "forward", "backward", "sync", "optimizer"):
         w.observe_phase(phase, 0.1)
     w.observe_checkpoint(blocking_s=0.01, write_s=3.0)

@@ -100,7 +100,9 @@ def cmd_status(args) -> int:
     out.print(f"controller: {shown(view.state or 'not started')}"
               + (f" ({shown(view.reason)})" if view.reason else ""), highlight=False)
     out.print(f"attempt {shown(view.attempt)}, step {shown(view.step or '-')}"
-              + (f", loss {view.loss:.4f}" if view.loss is not None else ""), highlight=False)
+              + (f", loss {view.loss:.4f}" if view.loss is not None else "")
+              + (f", val_loss {view.val_loss:.4f} (after step {view.val_step})"
+                 if view.val_loss is not None else ""), highlight=False)
     if view.size:
         out.print(f"size: {shown(view.size)}", highlight=False)
     if view.goodput:

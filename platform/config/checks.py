@@ -232,6 +232,17 @@ def _pipeline_runs(cfg: JobConfig, dims: ParallelDims) -> Problems:
             f"training.global_batch_tokens to {runs * per_rank}")
 
 
+def _validation_has_its_data(cfg: JobConfig, dims: ParallelDims) -> Problems:
+    val = cfg.validation
+    if val.path is not None and cfg.data.source == "synthetic":
+        yield "validation.path", ("synthetic training data has no files to read a validation path "
+                                  "alongside; remove validation.path and set validation.held_out instead")
+    if val.interval_steps is not None and val.interval_steps > cfg.training.steps:
+        yield "validation.interval_steps", (
+            f"{val.interval_steps} is more than training.steps ({cfg.training.steps}), so no validation "
+            f"pass would run; set it to at most {cfg.training.steps}")
+
+
 CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _world_fills_the_cluster,
     _tp_inside_a_node,
@@ -245,6 +256,7 @@ CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _min_nodes_reachable,
     _pipeline_runs,
     _whole_model_compile_without_checkpointing,
+    _validation_has_its_data,
 )
 
 

@@ -10,7 +10,8 @@ one sentence, unless `checkpoint.accept_changes` names its key or its group.
 
 The groups, each key a config path:
 - data: `job.seed` (it orders the documents), `data.source` and what that source reads
-  (`data.path`, `data.mix`; `data.include` for text, `data.synthetic` for synthetic);
+  (`data.path`, `data.mix`; `data.include` for text, `data.synthetic` for synthetic), and
+  `validation.held_out` when set (the documents it holds out are never trained on);
 - tokenizer: `data.tokenizer`, compared by the tokenizer file's sha256 (or the one the shards
   record), so a tokenizer retrained in place is caught too;
 - training: the global batch (`training.global_batch_tokens` as the job would draw it, set or
@@ -22,7 +23,8 @@ The groups, each key a config path:
 Left out, because resuming legitimately changes them: `training.steps` (extending or shortening
 a run: the schedule's horizon follows it), the layout (cluster, parallelism, grad_accum,
 micro-batch budget: a checkpoint reshards to any; what the layout changes of the batch is
-compared as the global batch), and checkpoint, health, recovery, observability, compile,
+compared as the global batch), the rest of `validation` (when and how much it evaluates, or its
+own data: none of it changes what trains), and checkpoint, health, recovery, observability, compile,
 activation checkpointing, prefetch and logging settings. The model's shape is compared on its
 own (`Manifest.incompatibility`) and cannot be accepted: the weights would not fit.
 
@@ -43,7 +45,8 @@ if TYPE_CHECKING:
 
 TOKENIZER_KEY = "data.tokenizer"
 GROUPS: dict[str, tuple[str, ...]] = {
-    "data": ("job.seed", "data.source", "data.path", "data.mix", "data.include", "data.synthetic"),
+    "data": ("job.seed", "data.source", "data.path", "data.mix", "data.include", "data.synthetic",
+             "validation.held_out"),
     "tokenizer": (TOKENIZER_KEY,),
     "training": ("training.global_batch_tokens", "training.lr", "training.min_lr_ratio",
                  "training.warmup_steps", "training.lr_schedule", "training.decay_steps",
@@ -70,6 +73,10 @@ def job_identity(cfg: JobConfig) -> dict[str, Any]:
         keys.remove("data.mix" if cfg.data.mix is None else "data.path")
     found = {k: dumped[k.split(".", 1)[0]][k.split(".", 1)[1]] for k in keys}
     found["training.global_batch_tokens"] = cfg.global_batch_tokens  # set, or what the layout gives
+    if found["validation.held_out"] is None:
+        # Recorded only when set: checkpoints from before validation existed hold no such key,
+        # and a job without a held-out share trains on the same documents they did.
+        del found["validation.held_out"]
     return json.loads(json.dumps(found))  # as it reads back from the manifest (tuples as lists)
 
 

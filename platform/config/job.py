@@ -23,6 +23,7 @@ from longrun.config.sections import (
     RecoverySection,
     Section,
     TrainingSection,
+    ValidationSection,
 )
 from longrun.config.vocabulary import resolve_vocabulary
 from longrun.parallel.dims import ParallelDims, parallel_dims
@@ -47,6 +48,7 @@ class JobConfig(Section):
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
+    validation: ValidationSection = Field(default_factory=ValidationSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     health: HealthSection = Field(default_factory=HealthSection)
     recovery: RecoverySection = Field(default_factory=RecoverySection)

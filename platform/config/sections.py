@@ -350,6 +350,48 @@ class TrainingSection(Section):
         "looped_bfs, interleaved_zero_bubble or zbv_zero_bubble (torch.distributed.pipelining's).")
 
 
+class ValidationSection(Section):
+    """The loss on held-out data every `interval_steps` steps (trainer/validation.py). Off until
+    interval_steps is set; then its data is `path` or a `held_out` share of the training data."""
+
+    interval_steps: Count | None = Field(
+        None, description="Run a validation pass after every this many steps (and never when null, the "
+        "default). Every pass evaluates the same held-out tokens, from the start of the held-out "
+        "stream, so passes compare with each other and a resumed job computes the same losses.")
+    steps: Count = Field(
+        1, description="Global batches per pass, each training.global_batch_tokens tokens drawn and "
+        "split the way training's are, at the job's layout.")
+    path: str | None = Field(
+        None, description="Its own data, read as data.source reads (text: a directory, a .jsonl file; "
+        "tokens: a `longrun data prepare` directory made with the same tokenizer).")
+    held_out: Annotated[float, Field(gt=0, le=0.5, allow_inf_nan=False)] | None = Field(
+        None, description="Instead of path: this share of the training data's documents (chosen by "
+        "a fixed seed, the same for every job seed), never trained on. Changes what trains, so a "
+        "checkpoint written without it resumes only with checkpoint.accept_changes.")
+
+    @field_validator("path")
+    @classmethod
+    def _home(cls, path: str | None) -> str | None:
+        return os.path.expanduser(path) if path else path
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ValidationSection:
+        if self.path is not None and self.held_out is not None:
+            raise ValueError("give validation.path (its own data) or validation.held_out (a share of "
+                             "the training data), not both")
+        if self.interval_steps is not None and self.path is None and self.held_out is None:
+            raise ValueError("validation needs data: set validation.path (its own data) or "
+                             "validation.held_out (e.g. 0.01 of the training documents)")
+        if self.interval_steps is None and (self.path is not None or self.held_out is not None):
+            raise ValueError("validation has data but no validation.interval_steps; set it (e.g. 100) "
+                             "to run validation, or remove the validation section")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval_steps is not None
+
+
 class CheckpointSection(Section):
     dir: str | None = Field(None, description="fsspec URL; null = <output_dir>/<job>/checkpoints.")
     interval_steps: Count = 50

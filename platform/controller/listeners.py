@@ -335,6 +335,17 @@ class ProgressRecord(Listener):
         except (redis.RedisError, OSError) as exc:
             log.warning("job record progress not written: %s", exc)
 
+    def steps(self, attempt: int, records: list[StepRecord]) -> None:
+        # The newest validation loss and its step (heartbeats carry only the training loss).
+        validated = [r for r in records if (r.metrics or {}).get("val_loss") is not None]
+        if not validated:
+            return
+        newest = validated[-1]
+        try:
+            self.record.update(val_loss=newest.metrics["val_loss"], val_step=newest.step)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("job record validation loss not written: %s", exc)
+
     def stragglers(self, attempt: Attempt, report: StragglerReport, wall: float) -> None:
         # What `longrun status` shows under "stragglers:", the newest poll's.
         try:

@@ -133,7 +133,8 @@ class TensorBoardListener(Listener):
 
     def steps(self, attempt: int, records: list[StepRecord]) -> None:
         for r in records:
-            self.writer.step(r.step, r.metrics, checkpoint_s=r.checkpoint_s, wall=r.end)
+            self.writer.step(r.step, r.metrics, checkpoint_s=r.checkpoint_s, validation_s=r.validation_s,
+                             wall=r.end)
 
 
 class WandbListener(Listener):

@@ -82,6 +82,15 @@ class Corpus:
         """Token count of every item (document chunk), BOS/EOS included, without reading."""
         return self._length
 
+    @property
+    def chunk_documents(self) -> np.ndarray:
+        """The source document of every item (chunk): which items belong together."""
+        return self._doc
+
+    def document_of(self, i: int) -> int:
+        """The source document item `i` was cut from."""
+        return int(self._doc[i])
+
     def __getitem__(self, i: int) -> np.ndarray:
         doc, start = int(self._doc[i]), int(self._start[i])
         stop = start + int(self._length[i])

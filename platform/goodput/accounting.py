@@ -17,7 +17,7 @@ startup (PLACING after an elastic job began waiting for nodes is waiting_for_nod
 RECOVERING is backoff. An attempt's time in RUNNING (and PREEMPTING, which continues it) is
 split by the step ledger its lowest rank wrote (goodput/ledger.py): before training began, the
 restore (by source, its own seconds) and startup; then each step record (from the end of the
-one before) as its checkpoint, snapshot and data-wait parts and productive time; after the
+one before) as its checkpoint, snapshot, validation and data-wait parts and productive time; after the
 last record, by how the attempt ended: detection from there to the fault's declaration and
 backoff on to the next placement after a fault; shutdown after success or a stop;
 preemption_save after a stop request or a grow (the save at the agreed step).
@@ -52,8 +52,8 @@ from typing import Any
 from longrun.kinds import CONTROLLER_LOST, JobState
 
 BUCKETS = ("productive", "redone", "startup", "restore_memory", "restore_storage", "checkpoint",
-           "snapshot", "data_wait", "detection", "backoff", "controller_down", "waiting_for_nodes",
-           "preemption_save", "shutdown")
+           "snapshot", "validation", "data_wait", "detection", "backoff", "controller_down",
+           "waiting_for_nodes", "preemption_save", "shutdown")
 LOSSES = BUCKETS[1:]  # everything that is not productive
 RESTORE_SOURCES = ("memory", "storage", "none")
 
@@ -74,6 +74,7 @@ class StepRecord:
     checkpoint_s: float = 0.0
     snapshot_s: float = 0.0
     data_s: float = 0.0
+    validation_s: float = 0.0  # a validation pass after the step (trainer/validation.py)
     # The step's training metrics by name (StepMetrics.report(): loss, grad_norm, lr, tokens,
     # tokens_per_s, ...), for the driver's progress line and the journal; None for a step whose
     # data was skipped.
@@ -91,7 +92,8 @@ class StepRecord:
         d = json.loads(raw)
         return cls(step=int(d["step"]), end=float(d["end"]), seconds=float(d["seconds"]),
                    checkpoint_s=float(d.get("checkpoint_s", 0.0)), snapshot_s=float(d.get("snapshot_s", 0.0)),
-                   data_s=float(d.get("data_s", 0.0)), metrics=d.get("metrics"))
+                   data_s=float(d.get("data_s", 0.0)), validation_s=float(d.get("validation_s", 0.0)),
+                   metrics=d.get("metrics"))
 
 
 @dataclass(frozen=True)
@@ -393,7 +395,7 @@ class GoodputAccount:
         parts = {}
         left = took
         for bucket, seconds in (("checkpoint", r.checkpoint_s), ("snapshot", r.snapshot_s),
-                                ("data_wait", r.data_s)):
+                                ("validation", r.validation_s), ("data_wait", r.data_s)):
             parts[bucket] = min(max(seconds, 0.0), left)
             left -= parts[bucket]
         for bucket, seconds in parts.items():

@@ -9,7 +9,8 @@ controller's last read):
     ledger:done       hash   rank -> the last step that rank finished (every rank)
     ledger:steps      list   one JSON StepRecord per step of the lowest rank: its end, the wall
                              seconds since the record before (or since training began), the
-                             seconds blocked on a checkpoint, a snapshot and the data, and its
+                             seconds blocked on a checkpoint, a snapshot, a validation pass and
+                             the data, and its
                              metrics (the driver's progress line; observability/progress.py)
     ledger:restored   hash   rank -> JSON Restore: the step restored (null: none), its source,
                              seconds, the bytes of state restored, and `at`, when it finished:
@@ -89,7 +90,7 @@ class StepLedger:
         self.flush()
 
     def step(self, step: int, *, checkpoint_s: float = 0.0, snapshot_s: float = 0.0,
-             data_s: float = 0.0, metrics: dict[str, Any] | None = None) -> None:
+             data_s: float = 0.0, validation_s: float = 0.0, metrics: dict[str, Any] | None = None) -> None:
         """This rank finished `step`, everything due after it included; `metrics`: what it
         trained (None: a skipped step)."""
         end = self.clock()
@@ -98,7 +99,7 @@ class StepLedger:
                 self._pending.popleft()
                 self.dropped += 1
             self._pending.append(StepRecord(step, end, end - self._last_end, checkpoint_s, snapshot_s,
-                                            data_s, metrics).to_json())
+                                            data_s, validation_s, metrics).to_json())
         self._last_end = end
         self._done = step
         self.flush()

@@ -116,10 +116,10 @@ def overview() -> Dashboard:
                   unit="s", width=18, stack=True,
                   description="The job's wall time so far, every second in one bucket: productive, redone "
                               "(steps trained again after a fault), startup, restore by source, checkpoint, "
-                              "snapshot and data-wait blocking, detection (fault to declaration), backoff, "
-                              "controller down (no controller after one died), waiting for nodes, "
-                              "preemption save, shutdown. A running attempt is accounted up to its newest "
-                              "step."),
+                              "snapshot, validation and data-wait blocking, detection (fault to "
+                              "declaration), backoff, controller down (no controller after one died), "
+                              "waiting for nodes, preemption save, shutdown. A running attempt is accounted "
+                              "up to its newest step."),
             Row("Training"),
             Panel("Throughput", (Target(f"sum by (job) (rate({sel('longrun_train_tokens_total', rank=True)}"
                                         f"[{RATE}]))", "{{job}}"),), unit=TOKENS_PER_S, width=8,
@@ -128,8 +128,12 @@ def overview() -> Dashboard:
                   unit="percentunit", width=8,
                   description="Model FLOPs utilisation (needs a peak-FLOPs figure for the device; empty "
                               "without one). A drop without a restart: stragglers, data stalls, thermal."),
-            Panel("Loss", (Target(f"avg by (job) ({sel('longrun_train_loss', rank=True)})", "{{job}}"),),
-                  width=8, description="Training loss of the last step. NaN steps are not exported."),
+            Panel("Loss", (Target(f"avg by (job) ({sel('longrun_train_loss', rank=True)})", "{{job}}"),
+                           Target(f"avg by (job) ({sel('longrun_validation_loss', rank=True)})",
+                                  "{{job}} validation")),
+                  width=8, description="Training loss of the last step (NaN steps are not exported) and "
+                                       "the last validation pass's loss on held-out data (validation "
+                                       "section; none when it is off)."),
             Panel("Step time", (Target(quantile(0.5, step), "{{job}} p50"), Target(quantile(0.95, step),
                                                                                 "{{job}} p95")),
                   unit="s", width=12, description="Wall time per optimizer step, data wait included."),

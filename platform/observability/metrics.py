@@ -62,6 +62,8 @@ class WorkerMetrics:
         self.step = gauge("longrun_train_step", "Last completed optimizer step.")
         self.loss = gauge("longrun_train_loss", "Training loss of the last step.")
         self.grad_norm = gauge("longrun_train_grad_norm", "Global gradient norm before clipping.")
+        self.val_loss = gauge("longrun_validation_loss",
+                              "Mean token loss on the held-out data of the last validation pass.")
         self.lr = gauge("longrun_train_learning_rate", "Learning rate of the last step.")
         # prometheus-client appends _total: exported as longrun_train_tokens_total.
         self.tokens = Counter("longrun_train_tokens", "Tokens trained on (this rank).", labels, registry=r)
@@ -118,6 +120,9 @@ class WorkerMetrics:
             self.loss.labels(**v).set(m.loss)
         if m.grad_norm is not None and math.isfinite(m.grad_norm):
             self.grad_norm.labels(**v).set(m.grad_norm)
+        val_loss = getattr(m, "val_loss", None)  # a step a validation pass followed
+        if val_loss is not None and math.isfinite(val_loss):
+            self.val_loss.labels(**v).set(val_loss)
         self.lr.labels(**v).set(m.lr)
         self.tokens.labels(**v).inc(m.tokens)
         self.tokens_per_s.labels(**v).set(m.tokens_per_s)

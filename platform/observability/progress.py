@@ -29,10 +29,12 @@ def hms(seconds: float) -> str:
 def format_step(m: Mapping[str, Any], total_steps: int, *, eta_s: float | None = None,
                 elapsed_s: float | None = None, layout: str | None = None,
                 attempt: int | None = None) -> str:
-    """`step 12/100  loss 4.1234  grad_norm 1.23  lr 3.0e-04  tok/s 12,345  mfu 41.0%  mem 0.65GiB
-    [elapsed 0:00:05]  eta 0:00:30  [layout]  [attempt N]`, from a step's metrics by name."""
-    parts = [f"step {m['step']}/{total_steps}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.2f}",
-             f"lr {m['lr']:.1e}", f"tok/s {m['tokens_per_s']:,.0f}"]
+    """`step 12/100  loss 4.1234  [val_loss 4.3210]  grad_norm 1.23  lr 3.0e-04  tok/s 12,345  mfu 41.0%
+    mem 0.65GiB  [elapsed 0:00:05]  eta 0:00:30  [layout]  [attempt N]`, from a step's metrics by name."""
+    parts = [f"step {m['step']}/{total_steps}", f"loss {m['loss']:.4f}"]
+    if m.get("val_loss") is not None:  # a validation pass followed this step
+        parts.append(f"val_loss {m['val_loss']:.4f}")
+    parts += [f"grad_norm {m['grad_norm']:.2f}", f"lr {m['lr']:.1e}", f"tok/s {m['tokens_per_s']:,.0f}"]
     if m.get("mfu") is not None:
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
     if m.get("memory_bytes") is not None:

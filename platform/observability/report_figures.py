@@ -38,7 +38,8 @@ SOURCE_COLORS = {"storage": "#1f77b4", "memory": "#2ca02c", "none": "#7f7f7f"}
 # By name, so a bucket added to accounting.BUCKETS later is drawn (grey) rather than breaking this.
 BUCKET_COLORS = {"productive": "#31a354", "redone": "#d62728", "startup": "#9ecae1",
                  "restore_memory": "#74c476", "restore_storage": "#3182bd", "checkpoint": "#6baed6",
-                 "snapshot": "#a1d99b", "data_wait": "#fdd0a2", "detection": "#e6550d", "backoff": "#fd8d3c",
+                 "snapshot": "#a1d99b", "validation": "#c7e9c0", "data_wait": "#fdd0a2",
+                 "detection": "#e6550d", "backoff": "#fd8d3c",
                  "controller_down": "#252525", "waiting_for_nodes": "#bdbdbd", "preemption_save": "#9467bd",
                  "shutdown": "#636363"}
 SHOWN_ELSEWHERE = {"transition", "fault", "resumed", "recovered", "resized"}
@@ -129,6 +130,12 @@ def loss_figure(journal: Journal) -> go.Figure:
         xs, ys, _ = _xy(_gaps(thin(rows)), lambda r: r["step"], "loss")
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"attempt {attempt}", hovertemplate=(
             f"attempt {attempt}<br>step %{{x}}<br>loss %{{y:.4f}}<extra></extra>")))
+    validated = validation_points(journal.steps)
+    if validated:  # the second curve: the held-out loss after every validation.interval_steps steps
+        fig.add_trace(go.Scatter(
+            x=[step for step, _ in validated], y=[loss for _, loss in validated], mode="lines+markers",
+            name="validation", line=dict(color="#111111", width=2, dash="dash"), marker=dict(size=7),
+            hovertemplate="validation<br>step %{x}<br>val_loss %{y:.4f}<extra></extra>"))
     marks = [e for e in faults(journal) if isinstance(e.get("step"), int)]
     for e in marks:  # a line at each fault's step: the later attempt's overlap starts before it
         fig.add_vline(x=e["step"], line=dict(color=fault_color(e), width=1, dash="dot"))
@@ -141,9 +148,17 @@ def loss_figure(journal: Journal) -> go.Figure:
             marker=dict(symbol="x", size=12, color=FAULT_COLORS.get(kind, "#d62728"),
                         line=dict(width=1, color="white")),
             hovertext=[_fault_text(e) for e, _ in here], hoverinfo="text"))
-    _layout(fig, "Loss by step, one line per attempt (faults marked ×)", 430,
+    title = "Loss by step, one line per attempt" + (", validation dashed" if validated else "")
+    _layout(fig, f"{title} (faults marked ×)", 430,
             xaxis_title="step", yaxis_title="loss")
     return fig if series else _empty(fig, "no step has trained yet")
+
+
+def validation_points(steps: Iterable[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, validation loss) by step; a step validated again after a fault keeps its newest
+    value (on the CPU the same: every pass evaluates the same held-out data)."""
+    found = {int(s["step"]): float(s["val_loss"]) for s in steps if finite(s.get("val_loss"))}
+    return sorted(found.items())
 
 
 def _loss_near(series: dict[int, list[dict[str, Any]]], fault: dict[str, Any]) -> float | None:

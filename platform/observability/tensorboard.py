@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 # metric name in a step record -> TensorBoard tag (grouped by the part before the slash)
 SCALARS = {
-    "loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
+    "loss": "train/loss", "val_loss": "validation/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
     "tokens_per_s": "throughput/tokens_per_s", "mfu": "throughput/mfu",
     "step_time_s": "time/step_s", "data_wait_s": "time/data_wait_s",
     "memory_bytes": "memory/peak_bytes",
@@ -51,13 +51,15 @@ class TensorBoardWriter:
                                       filename_suffix=f".{uuid.uuid4().hex[:8]}")
 
     def step(self, step: int, metrics: Mapping[str, Any] | None, *, checkpoint_s: float = 0.0,
-             wall: float | None = None) -> bool:
+             validation_s: float = 0.0, wall: float | None = None) -> bool:
         """Write `step`'s scalars unless a step at or after it was written; whether it was."""
         if metrics is None or step <= self.written:
             return False
         values = [(tag, metrics[name]) for name, tag in SCALARS.items() if metrics.get(name) is not None]
         if checkpoint_s > 0:
             values.append(("time/checkpoint_blocking_s", checkpoint_s))
+        if validation_s > 0:
+            values.append(("time/validation_s", validation_s))
         self._scalars(values, step, wall)
         self.written = step
         return True

@@ -52,8 +52,8 @@ CONTROLLER_LABELS = ("job",)
 
 # Where a step's time goes: the trainer's on_phase names (data, forward, backward, sync,
 # optimizer) plus what surrounds steps, the start-up phases timed on the worker among them.
-PHASES = (*STEP_PHASES, Phase.CHECKPOINT, Phase.RESTORE, Phase.BUILD, Phase.INIT, Phase.CALIBRATION,
-          OTHER)
+PHASES = (*STEP_PHASES, Phase.CHECKPOINT, Phase.VALIDATION, Phase.RESTORE, Phase.BUILD, Phase.INIT,
+          Phase.CALIBRATION, OTHER)
 
 # commgroup.init.InitTimings fields (the per-group times are summed into "groups": group
 # names like tp_3 are not bounded by anything but the world size).

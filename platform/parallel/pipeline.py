@@ -261,6 +261,17 @@ class PipelinedModel(ParallelModel):
         the schedule is built for it on the first step and never again. Returns this rank's
         share of that loss (its micro-batches' token losses over `loss_tokens`; nonzero on the
         last stage only)."""
+        self.empty_micro_batches = sum(mb is None for mb in micro_batches)
+        self.empty_micro_batches_total += self.empty_micro_batches
+        return self._run(micro_batches, loss_tokens, backward=True)
+
+    def forward_only(self, micro_batches: Sequence[MicroBatch]) -> Tensor:
+        """The summed token loss of `micro_batches` (the job's count of them) through the same
+        schedule, forward only (validation; call under `torch.no_grad()`): nonzero on the last
+        stage only, as in `forward_backward`."""
+        return self._run(micro_batches, 1, backward=False)
+
+    def _run(self, micro_batches: Sequence[MicroBatch | None], loss_tokens, *, backward: bool) -> Tensor:
         n = len(micro_batches)
         if self._schedule is not None and n != self._micro_batches:
             raise ValueError(f"this pipeline runs {self._micro_batches} micro-batches per step (the "
@@ -272,8 +283,6 @@ class PipelinedModel(ParallelModel):
                 "or training.global_batch_tokens to give a count it runs")
         if self._schedule is None:
             self._schedule, self._micro_batches = self._build_schedule(n), n
-        self.empty_micro_batches = sum(mb is None for mb in micro_batches)
-        self.empty_micro_batches_total += self.empty_micro_batches
         batches = [mb if mb is not None else self._empty() for mb in micro_batches]
         self.streams[:] = [self._stream(mb) for mb in batches]
         self._loss_tokens = loss_tokens
@@ -285,10 +294,17 @@ class PipelinedModel(ParallelModel):
             target = torch.stack([F.pad(mb.targets, (0, self.length - len(mb.targets)), value=IGNORE_INDEX)
                                   for mb in batches]).to(self.device)
             losses = []
+        # Forward only: torch's `eval()` clears this flag around `step()` the same way (the
+        # schedule re-infers its stages' shapes when it flips), but would also gather every
+        # micro-batch's logits on the last stage (return_outputs, which it cannot pass): [n,
+        # tokens, vocab] held at once for nothing.
+        schedule, had_backward = self._schedule, self._schedule._has_backward
+        schedule._has_backward = had_backward and backward
         try:
             with self.loss_context():
-                self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+                schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         finally:
+            schedule._has_backward = had_backward
             self.streams.clear()
         total = torch.zeros((), device=self.device)
         for loss in losses or ():

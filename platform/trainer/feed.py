@@ -21,6 +21,7 @@ that failed, or a restore, rewinds the data.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,30 +55,15 @@ class StepFeed:
         (`PlannedStep`), whose plans the prefetch thread makes while the current step trains."""
         if self._prefetcher is None:
             self.sampler.load_state_dict(self.state)
-            budget = self.cfg.data.micro_batch_tokens
-            source: Any
-            if self.cfg.dims.pp > 1:
-                # The schedule runs the job's one count of micro-batches, each full length:
-                # the draw packs every step into exactly that many per rank, none empty.
-                count = pipeline_micro_batches(self.cfg.training, self.cfg.data, self.cfg.dims)
-                packed = pipeline_batches(self.corpus, self.sampler, count * self.ranks, budget)
-                source = (pipeline_step(batch, self.corpus, self.rank, self.ranks) for batch in packed)
-            elif self.cp is None:
-                batches = global_batches(self.corpus, self.sampler, self.cfg.global_batch_tokens)
-                source = (data_parallel_step(batch, self.corpus, self.rank, self.ranks, budget)
-                          for batch in batches)
-            else:
-                batches = global_batches(self.corpus, self.sampler, self.cfg.global_batch_tokens)
-                source = planned_steps(batches, self.corpus, self.cp, budget)
+            source = draw_steps(self.cfg, self.corpus, self.sampler, cp=self.cp, rank=self.rank,
+                                ranks=self.ranks)
             self._prefetcher = Prefetcher(source, self.cfg.data.prefetch)
         return self._prefetcher
 
     def next(self) -> tuple[StepWork, float]:
         """The next step's work and the seconds spent waiting for it."""
         data = self._source()
-        item = next(data)
-        work = item if self.cp is None else planned_step(item, self.cp, self.device)
-        return work, data.last_wait_s
+        return as_work(next(data), self.cp, self.device), data.last_wait_s
 
     def done(self, work: StepWork) -> None:
         """`work`'s step happened (trained or skipped): its data is consumed."""
@@ -94,3 +80,26 @@ class StepFeed:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+
+
+def draw_steps(cfg: JobConfig, corpus: Corpus, sampler: DocumentSampler | MixtureSampler, *,
+               cp: ContextParallelSetup | None, rank: int, ranks: int) -> Iterator[Any]:
+    """Each step's global batch from `sampler`'s position on, as this rank's part of it: a
+    `StepWork`, or under context parallelism a `PlannedStep` (`as_work` makes it one). Training's
+    feed and validation (`validation.py`) draw alike, so both fit every layout."""
+    budget = cfg.data.micro_batch_tokens
+    if cfg.dims.pp > 1:
+        # The schedule runs the job's one count of micro-batches, each full length:
+        # the draw packs every step into exactly that many per rank, none empty.
+        count = pipeline_micro_batches(cfg.training, cfg.data, cfg.dims)
+        packed = pipeline_batches(corpus, sampler, count * ranks, budget)
+        return (pipeline_step(batch, corpus, rank, ranks) for batch in packed)
+    batches = global_batches(corpus, sampler, cfg.global_batch_tokens)
+    if cp is None:
+        return (data_parallel_step(batch, corpus, rank, ranks, budget) for batch in batches)
+    return planned_steps(batches, corpus, cp, budget)
+
+
+def as_work(item: Any, cp: ContextParallelSetup | None, device: torch.device) -> StepWork:
+    """What `draw_steps` yielded, as this rank's `StepWork`."""
+    return item if cp is None else planned_step(item, cp, device)

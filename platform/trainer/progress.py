@@ -30,12 +30,19 @@ class StepMetrics:
     # torch.compile's recompilations in this process so far (training.compile; 0 when eager):
     # after the first step a steady job adds none.
     recompiles: int = 0
+    # The validation pass after this step (validation.interval_steps): its mean token loss on
+    # the held-out data, None when none was due; and its seconds (a goodput bucket of their own).
+    val_loss: float | None = None
+    validation_s: float = 0.0
 
     def report(self) -> dict[str, float | int | None]:
         """What the driver shows of this step (rides on the step ledger to the controller):
         the job's tokens and rate where known, this rank's otherwise."""
         out = asdict(self)
         del out["step"], out["global_tokens"], out["global_tokens_per_s"], out["recompiles"]
+        del out["validation_s"]  # on the step record itself (goodput), not among its metrics
+        if self.val_loss is None:
+            del out["val_loss"]
         if self.global_tokens:
             out["tokens"], out["tokens_per_s"] = self.global_tokens, self.global_tokens_per_s
         return out

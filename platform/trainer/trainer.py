@@ -37,6 +37,10 @@ global batch follows the same trajectory (up to float summation order).
 Where the weights are sharded (`parallelism.fsdp` or `tp` > 1) the trainer is given the job's
 device mesh (`mesh=`, see `ParallelGroups.device_mesh`); the parameters, gradients and AdamW
 state are then DTensors and `state_dict()` holds this rank's pieces of them.
+
+With `validation.interval_steps` set, a step whose number is a multiple of it is followed, after
+its update and before its hooks, by a validation pass on held-out data (`validation.py`): its
+loss and seconds ride on that step's metrics (`val_loss`, `validation_s`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from torch.distributed.tensor import DTensor
 
 from longrun.config import JobConfig
 from longrun.data.documents import build_corpus
+from longrun.data.held_out import validation_split
 from longrun.data.mixture import build_sampler
 from longrun.data.packing import IGNORE_INDEX, MicroBatch, build_micro_batch
 from longrun.data.tokenizers import load_tokenizer
@@ -82,6 +87,7 @@ from longrun.trainer.runtime import (
 )
 from longrun.trainer.schedule import build_scheduler
 from longrun.trainer.step import MicroBatchWork, StepWork, plain_step, planned_step, planned_work
+from longrun.trainer.validation import Validator
 
 # Re-exported: callers import these from the trainer module.
 __all__ = ["NonFiniteError", "NonFiniteGradientError", "NonFiniteLossError", "ProgressPrinter",
@@ -132,12 +138,18 @@ class Trainer:
             self.init_weights()
         self.optimizer = build_optimizer(self.model, cfg.training, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
-        self.corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
+        # With validation.held_out, training draws from the documents not held out.
+        corpus = build_corpus(cfg.data, cfg.model, self.tokenizer, cfg.job.seed)
+        self.corpus, held_out = validation_split(cfg.data, cfg.model, cfg.validation, corpus, self.tokenizer,
+                                                 cfg.job.seed)
         # Every rank of the span draws the same global batch from the one global order; its
         # share is split off (or, under CP, planned) by rank, so the position fits any layout.
         sampler = build_sampler(cfg.data, self.corpus, seed=cfg.job.seed)
         self.feed = StepFeed(cfg, self.corpus, sampler, cp=context_parallel, device=self.device,
                              rank=self.parallel.rank, ranks=self.parallel.size)
+        self.validator = (None if held_out is None else
+                          Validator(cfg, held_out, cp=context_parallel, rank=self.parallel.rank,
+                                    ranks=self.parallel.size, device=self.device))
         self.step = 0
         self.last_plan: Plan | None = None  # the dynamic-CP plan of the last step (for metrics)
         # What this rank's data of the last step should cost (see `_work_cost`), for its heartbeat.
@@ -272,6 +284,28 @@ class Trainer:
         # A vocabulary-parallel loss is a DTensor, replicated over the TP group.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
+    def forward_loss(self, work: StepWork) -> torch.Tensor:
+        """The summed token loss of a step's micro-batches over the span, forward only (for
+        validation: call under `torch.no_grad()`, the model in eval mode). The loss of
+        `forward_backward_on_device` without its backward: under pipeline parallelism the last
+        stage's, shared with every stage; an idle micro-batch of a sharded layout still joins its
+        weight gathers, contributing nothing."""
+        if self.pipeline is not None:
+            loss = self.pipeline.forward_only([mb.inputs for mb in work.micro_batches])
+            return self.pipeline.pipeline_sum(self.parallel.all_reduce_sum(loss))
+        total = torch.zeros((), device=self.device)
+        model = self.parallel.module  # no DDP wrapper: a forward without gradients syncs nothing
+        for mb in work.micro_batches:
+            if mb.idle:
+                if self.parallel.syncs_every_micro_batch:
+                    self._priming_loss(model)
+                continue
+            with self.parallel.loss_parallel():
+                attention = mb.attention() if mb.attention is not None else None
+                loss = self._summed_token_loss(model, mb.inputs, attention)
+            total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return self.parallel.all_reduce_sum(total)
+
     def micro_batch_pass(self, rmb: RankMicroBatch, *, last: bool, loss_tokens: int) -> torch.Tensor:
         """One planned micro-batch on its CP group (what the CP calibration times)."""
         assert self.cp is not None
@@ -370,8 +404,11 @@ class Trainer:
         self.last_plan = work.plan
         self.last_work_cost = self._work_cost(work, flops)
         timer.stop()
+        memory = peak_memory_bytes(self.device)  # of the step, not of a validation pass after it
+        # Validated on this step's weights, before its hooks (a checkpoint of it) run.
+        validated = self.validator.run(self) if self.validator and self.validator.due(self.step) else None
         return _PendingStep(self.step, readings, before, lr=lr, work=work, wait_s=wait, flops=flops,
-                            memory_bytes=peak_memory_bytes(self.device))
+                            memory_bytes=memory, validated=validated)
 
     def _settle(self, pending: _PendingStep) -> StepMetrics:
         """Read a launched step's numbers: its metrics, or (not finite) the trainer put back to
@@ -400,6 +437,8 @@ class Trainer:
             memory_bytes=pending.memory_bytes,
             global_tokens=global_tokens, global_tokens_per_s=global_tokens / step_time,
             recompiles=self._recompiles(pending.step),
+            val_loss=pending.validated[0] if pending.validated else None,
+            validation_s=pending.validated[1] if pending.validated else 0.0,
         )
 
     def _recompiles(self, step: int) -> int:
@@ -536,3 +575,4 @@ class _PendingStep:
     wait_s: float
     flops: float
     memory_bytes: int
+    validated: tuple[float, float] | None = None  # (validation loss, its seconds) when one was due

@@ -63,6 +63,7 @@ class StepHooks:
         self.ledger: StepLedger | None = None  # the step ledger, for goodput
         # This step's seconds blocked on the data, a checkpoint and a snapshot (for the ledger).
         self._blocked = dict.fromkeys(("data_s", "checkpoint_s", "snapshot_s"), 0.0)
+        self._validation_s = 0.0  # ... and on the validation pass after it, when one ran
         self._restore: tuple[int | None, str, float, int | None] | None = None  # until training begins
 
     def attach(self, trainer: Trainer) -> StepHooks:
@@ -93,6 +94,8 @@ class StepHooks:
         first = self.last is None
         self.last = m
         self.metrics.observe_step(m)
+        # The validation pass the trainer ran after this step (a test double may not say).
+        self._validation_s = getattr(m, "validation_s", 0.0)
         if first and self.trainer is not None:  # the optimizer's state exists from the first step
             self.metrics.observe_state(self.trainer.layout, self.trainer.state_bytes())
         plan = self.trainer.last_plan if self.trainer is not None else None
@@ -128,8 +131,10 @@ class StepHooks:
             if metrics is not None and snaps is not None and snaps.enabled and snaps.decided:
                 # The interval the ranks chose (`auto`): the driver says so when it changes.
                 metrics = metrics | {"snapshot_every": snaps.every}
-            self.ledger.step(step, **self._blocked, metrics=metrics)
+            validated = {"validation_s": self._validation_s} if self._validation_s else {}
+            self.ledger.step(step, **self._blocked, **validated, metrics=metrics)
         self._blocked = dict.fromkeys(self._blocked, 0.0)
+        self._validation_s = 0.0
         if self.faults is not None:
             if self.snapshots is not None and self.faults.pending and self.faults.pending[0].step <= step:
                 # A fault may poison the weights ('nan'): the snapshot's copy of this step,
