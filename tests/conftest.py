@@ -68,7 +68,7 @@ PARALLEL_MODULES = frozenset({
     "test_restart_history", "test_sharded_training", "test_startup_groups", "test_step_readings",
     "test_token_training", "test_tokenizers", "test_topology", "test_trainer_data",
     "test_trainer_loop", "test_trainer_model", "test_trainer_parallel", "test_user_view",
-    "test_worker_hooks", "test_worker_setup", "test_worlds",
+    "test_validation", "test_worker_hooks", "test_worker_setup", "test_worlds",
 })
 
 
