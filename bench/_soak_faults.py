@@ -34,8 +34,6 @@ KINDS = ("worker_kill", "worker_stop", "node_loss", "redis_kill", "run_sigterm",
 DISK_FULL_AFTER_FAULT_S = 120.0  # the longest the disk stays full after the fault it caused
 PRECONDITION_WAIT_S = 300.0  # how long a fault waits for something to hit before it is given up
 STOP_DETECTION_S = 180.0  # a SIGSTOPped worker still there after this was not detected: the soak fails
-# States of an attempt that is starting: placement, the groups' rendezvous, the restore.
-STARTING = ("PENDING", "PLACING", "RENDEZVOUS", "RECOVERING", "DIAGNOSING")
 
 
 @dataclass
@@ -97,17 +95,22 @@ class Faults:
         first.send_signal(signal.SIGKILL)
 
         def starting_worker():
+            # The controller records RUNNING once the ranks' `run` is called: their groups, model
+            # and restore come after, until the step ledger says training began.
             record = self.world.record() or {}
-            if record.get("state") not in STARTING or int(float(record.get("attempt", 0))) <= attempt:
+            now = int(float(record.get("attempt", 0)))
+            if now <= attempt or self.world.steps.training_began(now):
                 return None
             return [p for p in training_workers() if p.pid not in old]
 
         second = self.rng.choice(wait_for("a worker of the next attempt while it starts", starting_worker))
         time.sleep(self.rng.uniform(0.0, 0.5))  # somewhere in its start, not always its first moment
-        state = (self.world.record() or {}).get("state")
+        record = self.world.record() or {}
+        began = self.world.steps.training_began(int(float(record.get("attempt", 0))))
         second.send_signal(signal.SIGKILL)
         return (f"SIGKILL to worker pid {first.pid} while training, then to pid {second.pid} of the "
-                f"next attempt in state {state}", [])
+                f"next attempt in state {record.get('state')}, "
+                f"{'after training began' if began else 'before training began (start-up or restore)'}", [])
 
     def _spare_kill(self):
         def spares():
@@ -225,7 +228,9 @@ class Faults:
             running = record.get("state") == "RUNNING"
             step_now = int(float(record.get("step", 0)))
             steps = committed_steps(fs, root)
-            if not running or not steps or steps[-1] != step_now // interval * interval \
+            # Two committed at least: the one corrupted and the one a restore falls back to (a full
+            # disk earlier may have cost a save).
+            if not running or len(steps) < 2 or steps[-1] != step_now // interval * interval \
                     or not 1 <= step_now - steps[-1] <= interval - 3:
                 return None  # the newest save still in flight, or the next one about to start
             directory = Path(root) / step_dir_name(steps[-1])

@@ -61,6 +61,17 @@ class StepWatch:
                 self._seen_restore.add(attempt)
                 self.restores.append(Restored(time.time(), attempt, step))
 
+    def training_began(self, attempt: int) -> bool:
+        """Whether the attempt's ranks said training began (their restore is on the ledger)."""
+        try:
+            client = self._client()
+            try:
+                return bool(client.exists(keys.ledger_restored_key(self.job, attempt)))
+            finally:
+                client.close()
+        except (redis.RedisError, OSError):
+            return True  # unknown: do not count a kill as one during start-up
+
     def last_reported(self, attempt: int | None) -> int | None:
         """The newest step any rank reported finishing, read now (the moment before a fault):
         the running attempt's, else (an attempt still starting) the step it restored, else the
