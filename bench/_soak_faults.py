@@ -49,12 +49,15 @@ class FaultError(RuntimeError):
     """A fault could not be injected (nothing to hit in time, no tmpfs); the soak reports it."""
 
 
-def wait_for(what: str, found: Callable[[], Any], timeout: float = PRECONDITION_WAIT_S) -> Any:
+def wait_for(what: str, found: Callable[[], Any], timeout: float = PRECONDITION_WAIT_S,
+             ended: Callable[[], bool] = lambda: False) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = found()
         if value:
             return value
+        if ended():  # the job's `longrun run` exited: nothing more will come, and the soak's clock stops
+            raise FaultError(f"nothing to inject into: the job's run exited while waiting for {what}")
         if time.monotonic() > deadline:
             raise FaultError(f"nothing to inject into: {what} for {timeout:g} s")
         time.sleep(0.2)  # the job's processes and record change in other processes
@@ -67,6 +70,9 @@ class Faults:
         self.world, self.rng = world, rng
         self.stopped: list[psutil.Process] = []  # SIGSTOPped by us: reaped in cleanup()
 
+    def run_ended(self) -> bool:
+        return self.world.runner.poll() is not None
+
     def inject(self, kind: str) -> tuple[str, list[Deferred]]:
         return getattr(self, f"_{kind}")()
 
@@ -77,7 +83,7 @@ class Faults:
         def running_workers():
             return (self.world.record() or {}).get("state") == "RUNNING" and training_workers()
 
-        return self.rng.choice(wait_for("a training worker", running_workers))
+        return self.rng.choice(wait_for("a training worker", running_workers, ended=self.run_ended))
 
     def _worker_kill(self):
         victim = self._victim()
@@ -103,7 +109,8 @@ class Faults:
                 return None
             return [p for p in training_workers() if p.pid not in old]
 
-        second = self.rng.choice(wait_for("a worker of the next attempt while it starts", starting_worker))
+        second = self.rng.choice(wait_for("a worker of the next attempt while it starts", starting_worker,
+                                          ended=self.run_ended))
         time.sleep(self.rng.uniform(0.0, 0.5))  # somewhere in its start, not always its first moment
         record = self.world.record() or {}
         began = self.world.steps.training_began(int(float(record.get("attempt", 0))))
@@ -116,7 +123,7 @@ class Faults:
         def spares():
             return (self.world.record() or {}).get("state") == "RUNNING" and spare_workers()
 
-        victim = self.rng.choice(wait_for("a warm spare", spares))
+        victim = self.rng.choice(wait_for("a warm spare", spares, ended=self.run_ended))
         self.world.hit()
         victim.send_signal(signal.SIGKILL)
         return f"SIGKILL to warm spare pid {victim.pid}", []
@@ -125,7 +132,7 @@ class Faults:
         def keepers():
             return (self.world.record() or {}).get("state") == "RUNNING" and processes("keepers", None)
 
-        victim = self.rng.choice(wait_for("a snapshot keeper", keepers))
+        victim = self.rng.choice(wait_for("a snapshot keeper", keepers, ended=self.run_ended))
         self.world.hit()
         victim.send_signal(signal.SIGKILL)
         return f"SIGKILL to snapshot keeper pid {victim.pid}", []
@@ -163,7 +170,7 @@ class Faults:
             live = [n for n in cluster.list_all_nodes() if n.node_id in ids and not n.head]
             return sorted(live, key=lambda n: n.node_id)
 
-        node = self.rng.choice(wait_for("a node running the job", job_node))
+        node = self.rng.choice(wait_for("a node running the job", job_node, ended=self.run_ended))
         self.world.hit()
         cluster.remove_node(node, allow_graceful=False)  # a lost host says nothing
         back_after = self.rng.uniform(10.0, 40.0)
@@ -204,7 +211,7 @@ class Faults:
         def training():
             return (self.world.record() or {}).get("state") == "RUNNING"
 
-        wait_for("the job training", training)
+        wait_for("the job training", training, ended=self.run_ended)
         pid = runner.pid
         self.world.hit()
         code = runner.kill_controller()
@@ -240,7 +247,8 @@ class Faults:
                     return steps[-1], files
             return None
 
-        step, files = wait_for("a committed checkpoint with no newer save due", newest_files)
+        step, files = wait_for("a committed checkpoint with no newer save due", newest_files,
+                               ended=self.run_ended)
         target = self.rng.choice(files)
         size = target.stat().st_size
         offset = self.rng.randrange(max(1, size - 64))
@@ -254,7 +262,7 @@ class Faults:
         for keeper in keepers:  # no memory snapshot left: the restore must read storage
             with contextlib.suppress(psutil.NoSuchProcess):
                 keeper.send_signal(signal.SIGKILL)
-        victim = self.rng.choice(wait_for("a training worker", training_workers))
+        victim = self.rng.choice(wait_for("a training worker", training_workers, ended=self.run_ended))
         victim.send_signal(signal.SIGKILL)
         return (f"flipped 64 bytes at offset {offset} of {target.name} in checkpoint step {step}; "
                 f"SIGKILL to {len(keepers)} snapshot keeper(s) and worker pid {victim.pid}", [])

@@ -105,6 +105,7 @@ class Injected:
     attempt: int | None = None  # the job's attempt when the fault struck
     hit_wall: float | None = None  # when it struck (after waiting for something to hit)
     reported: int | None = None  # the newest step any rank reported finishing just before
+    reported_end: int | None = None  # ... and the newest the struck attempt reported at all (set at the end)
     corrupted: int | None = None  # checkpoint_corrupt: the committed step whose bytes were flipped
 
 
@@ -394,6 +395,8 @@ class Soak:
         from _soak_report import by_kind, fault_outcomes, goodput_summary
 
         steps_done = int(float(record.get("step", 0)))
+        for fault in injected:
+            fault.reported_end = self.steps.last_seen(fault.attempt)
         log_text = self.runner.log.read_text(errors="replace") if self.runner.log.exists() else ""
         outcomes = fault_outcomes(injected, goodput, steps_done=steps_done,
                                   finished=failure is None and record.get("state") == "SUCCEEDED",
@@ -401,7 +404,9 @@ class Soak:
         lost = [o["steps_lost"] for o in outcomes if o["steps_lost"] is not None]
         counts, lost_by_kind = by_kind(outcomes)
         samples = self.probe.samples
-        rss = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_mb[r]) for role in ROLES}
+        # A role with no process at a sample (the keepers between a kill and the next attempt)
+        # has no level there: it would pull a quarter's median to 0.
+        rss = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_mb[r] or None) for role in ROLES}
         total_rss = flatness(samples, warm_s, lambda s: sum(s.rss_mb.values()))
         keys = flatness(samples, warm_s, lambda s: s.redis_keys)
         return {

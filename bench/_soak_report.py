@@ -62,8 +62,14 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
         # No fault declared (a Redis restart ridden out, a dead spare or keeper replaced, a
         # preemption that saved its step): nothing was restored, so nothing was redone.
         ledger = max(lost) if lost else (0 if hit else None)
-        outside = steps_lost_outside(fault.reported, fault.attempt, fault.hit_wall or fault.wall, until,
-                                     list(restores)) if hit else None
+        since = fault.hit_wall or fault.wall
+        outside = (steps_lost_outside(fault.reported, fault.attempt, since, until, list(restores))
+                   if hit else None)
+        # The struck attempt may finish steps after the blow (a removed node's processes train on
+        # until they notice): the ledger counts those as lost too. Read from outside as well.
+        end = getattr(fault, "reported_end", None)
+        outside_end = steps_lost_outside(max(end or 0, fault.reported or 0), fault.attempt, since, until,
+                                         list(restores)) if hit and fault.reported is not None else None
         outcomes.append({
             "kind": fault.kind, "at_s": round(fault.at_s, 1), "step": fault.step, "detail": fault.detail,
             "error": fault.error, "injected": int(hit),
@@ -71,9 +77,12 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
             "declared": [{k: f.get(k) for k in DECLARED_FIELDS} for f in mine],
             "steps_lost": ledger,
             "steps_lost_outside": outside, "reported_before": fault.reported,
-            # The ledger's newest finished step may include one a surviving rank finished after
-            # the soak's look (a rank completes its step while its peer is already dead).
-            "steps_lost_agree": None if ledger is None or outside is None else abs(ledger - outside) <= 1,
+            "steps_lost_outside_end": outside_end, "reported_end": end,
+            # The ledger's count against the soak's over the struck attempt's whole life (a rank
+            # may finish the step it was in after the soak's last look: one step), and never
+            # fewer than the soak saw finished before the blow.
+            "steps_lost_agree": None if ledger is None or outside is None or outside_end is None
+            else abs(ledger - outside_end) <= 1 and outside <= ledger + 1,
             "steps_lost_bound": steps_lost_bound(fault.kind, interval),
             "corrupted_step": fault.corrupted,
             "corruption_detected": corruption_detected(fault, mine, log_text),

@@ -72,6 +72,10 @@ class StepWatch:
         except (redis.RedisError, OSError):
             return True  # unknown: do not count a kill as one during start-up
 
+    def last_seen(self, attempt: int | None) -> int | None:
+        """The newest step any rank of `attempt` was seen to report, by the soak's looks."""
+        return None if attempt is None else self._last.get(attempt)
+
     def last_reported(self, attempt: int | None) -> int | None:
         """The newest step any rank reported finishing, read now (the moment before a fault):
         the running attempt's, else (an attempt still starting) the step it restored, else the

@@ -124,6 +124,22 @@ def test_each_declared_fault_is_charged_to_the_injection_before_it():
     assert seen_more[0]["steps_lost_outside"] == 4 and seen_more[0]["steps_lost_agree"] is False
 
 
+def test_steps_a_struck_attempt_finished_after_the_blow_are_checked_against_its_last_report():
+    # A removed node's processes train on for a while: the ledger counts those steps as lost.
+    goodput = {"faults": [{"kind": "dead", "attempt": 2, "declared_at": 1015.0, "last_step": 43,
+                           "restored_step": 40, "steps_lost": 3, "restored_from": "storage"}]}
+    restores = [SimpleNamespace(wall=1030.0, attempt=3, step=40)]
+    fault = _injected("node_loss", 1010, 41, attempt=2, reported=41)
+    fault.reported_end = 43
+    (outcome,) = fault_outcomes([fault], goodput, steps_done=100, finished=True, restores=restores)
+    lost = (outcome["steps_lost"], outcome["steps_lost_outside"], outcome["steps_lost_outside_end"])
+    assert lost == (3, 1, 3)
+    assert outcome["steps_lost_agree"] and outcome["steps_lost"] > outcome["steps_lost_bound"]
+    fault.reported_end = 41  # the soak saw nothing after the blow: the ledger's 3 disagrees
+    (outcome,) = fault_outcomes([fault], goodput, steps_done=100, finished=True, restores=restores)
+    assert outcome["steps_lost_agree"] is False
+
+
 def test_steps_lost_are_bounded_by_what_survives_each_kind_of_fault():
     goodput = {"faults": [
         {"kind": "controller_lost", "attempt": 3, "declared_at": 1012.0, "last_step": 47, "restored_step": 40,
