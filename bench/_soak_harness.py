@@ -3,8 +3,8 @@ Redis, faults from outside at seeded random times, samples throughout, the refer
 report. bench/soak.py (the hour) and tests/test_soak.py (the bounded version) both run this.
 
 The soak's wall clock starts when the first `longrun run` is launched and stops when the last
-one exits: it is goodput's denominator across reruns (time between a SIGTERMed run's exit and its
-rerun's first record counts too, as `between_runs`)."""
+one exits: it is goodput's denominator across reruns (`goodput_clock`; time between a killed
+run's exit and its rerun's first record counts too), beside the job's own (`goodput_ledger`)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,17 @@ from _soak_job import (
     CPUS_PER_NODE,
     INTERVAL_STEPS,
     JOB,
+    KEEP_LAST,
     NODES,
     REFERENCE_JOB,
+    ffn_for,
     reference_job,
     soak_job,
+    state_mb_of,
     write_job,
 )
 from _soak_probe import ROLES, Probe, flatness, read_goodput, read_record
+from _soak_steps import StepWatch
 
 from longrun.services import EmbeddedRedis
 from longrun.services.ports import free_port
@@ -42,7 +46,11 @@ EXIT_PREEMPTED = 75
 STARTUP_EST_S = 40.0  # `longrun run` to the first step on this machine (torch, Ray, placement)
 # What a fault costs here; half is counted, so the job runs a little long rather than short.
 FAULT_COST_EST_S = 12.0
-COMPUTE_EST_S = 0.08  # the tiny model's step on top of the pacing
+COMPUTE_EST_S_PER_MB = 0.001  # the model's step on top of the pacing, per MB of state (2 cores; low, so
+# the job outlasts its faults rather than ending before the last)
+# The default state: each rank's half sent to the keepers at the 0.18-0.36 GB/s of bench/lose_no_step.py's
+# 3 GB run (a snapshot every 2 steps of 8.4 s) takes half a paced step or more.
+STATE_MB = 512.0
 
 
 @dataclass
@@ -53,12 +61,22 @@ class Plan:
     pace_s: float
     steps: int
     seed: int
+    state_mb: float = STATE_MB  # the job's training state (weights and AdamW moments), both ranks
+
+    @property
+    def ffn_dim(self) -> int:
+        return ffn_for(self.state_mb)
+
+    @property
+    def step_s(self) -> float:
+        """A paced step's estimated seconds on this machine: the pacing and the model's own."""
+        return self.pace_s + COMPUTE_EST_S_PER_MB * self.state_mb
 
     @classmethod
     def of(cls, minutes: float, *, seed: int, every_s: float | None = None, kinds: list[str] | None = None,
-           pace_s: float = 1.0, steps: int | None = None) -> Plan:
+           pace_s: float = 1.0, steps: int | None = None, state_mb: float = STATE_MB) -> Plan:
         """A fault every `every_s` (default 120) over the planned time, kinds in a seeded
-        order that cycles through all seven; or exactly `kinds`, spread over the time."""
+        order that cycles through all of them; or exactly `kinds`, spread over the time."""
         rng = random.Random(seed)
         horizon = max(30.0, minutes * 60 - STARTUP_EST_S)
         if kinds is None:
@@ -71,8 +89,9 @@ class Plan:
         every_s = every_s or horizon / (len(kinds) + 1)
         if steps is None:  # the job outlasts the last fault's slot by about two slots more
             busy = (len(kinds) + 2) * every_s
-            steps = int((busy - len(kinds) * FAULT_COST_EST_S / 2) / (pace_s + COMPUTE_EST_S))
-        return cls(minutes, kinds, every_s, pace_s, max(steps, 20), seed)
+            step_s = pace_s + COMPUTE_EST_S_PER_MB * state_mb  # as `step_s` below
+            steps = int((busy - len(kinds) * FAULT_COST_EST_S / 2) / step_s)
+        return cls(minutes, kinds, every_s, pace_s, max(steps, 20), seed, state_mb)
 
 
 @dataclass
@@ -83,6 +102,11 @@ class Injected:
     step: int
     detail: str = ""
     error: str | None = None
+    attempt: int | None = None  # the job's attempt when the fault struck
+    hit_wall: float | None = None  # when it struck (after waiting for something to hit)
+    reported: int | None = None  # the newest step any rank reported finishing just before
+    reported_end: int | None = None  # ... and the newest the struck attempt reported at all (set at the end)
+    corrupted: int | None = None  # checkpoint_corrupt: the committed step whose bytes were flipped
 
 
 class RedisHandle:
@@ -168,6 +192,17 @@ class Runner:
         assert code is not None
         return code
 
+    def kill_controller(self) -> int:
+        """SIGKILL to `longrun run` alone (not its session: the Ray actors it owned are Ray's to
+        reap), and its exit."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(60)
+        code = self.poll()
+        assert code is not None
+        return code
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -180,8 +215,8 @@ class Soak:
     plan: Plan
     say: Any  # a progress line to stderr
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="longrun-soak-")))
-    tmpfs_mb: int = 64
     notes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # what fails the soak, found by a fault's second half
 
     # -- what the faults see (the `world` of _soak_faults) -------------------------------------
     interval_steps = INTERVAL_STEPS
@@ -189,6 +224,24 @@ class Soak:
     def note(self, text: str) -> None:
         self.notes.append(f"{self.clock():.0f}s {text}")
         self.say(text)
+
+    def fail(self, text: str) -> None:
+        self.failures.append(text)
+        self.note(f"FAIL: {text}")
+
+    def hit(self, *, corrupted: int | None = None) -> None:
+        """A fault strikes now: what every rank reported last, read from outside, just before."""
+        fault = self._striking
+        fault.corrupted = corrupted
+        record = self.record() or {}
+        fault.attempt = int(float(record["attempt"])) if record.get("attempt") is not None else None
+        fault.hit_wall = time.time()
+        fault.reported = self.steps.last_reported(fault.attempt)
+
+    @property
+    def tmpfs_mb(self) -> int:
+        """Room for the checkpoints kept, one being written and one being deleted, and 64 MiB."""
+        return int(state_mb_of(self.plan.ffn_dim) * (KEEP_LAST + 2)) + 64
 
     def node_args(self) -> dict:
         return {"num_cpus": CPUS_PER_NODE}
@@ -214,7 +267,8 @@ class Soak:
 
         plan = self.plan
         self.say(f"plan: {len(plan.kinds)} fault(s) {plan.kinds}, one per {plan.every_s:.0f} s, {plan.steps} "
-                 f"steps paced {plan.pace_s:g} s, seed {plan.seed}; in {self.workdir}")
+                 f"steps paced {plan.pace_s:g} s, state {state_mb_of(plan.ffn_dim)} MB, seed {plan.seed}; "
+                 f"in {self.workdir}")
         ckpt = self.workdir / "checkpoints"
         self.disk: Tmpfs | None = Tmpfs(ckpt, self.tmpfs_mb)
         why = self.disk.mount()
@@ -244,9 +298,11 @@ class Soak:
     def _soak(self) -> dict[str, Any]:
         plan = self.plan
         job = soak_job(self.workdir / "out", plan.steps, ray_address=self.cluster.address,
-                       redis_url=self.redis.url, checkpoint_dir=self.checkpoint_dir, pace_s=plan.pace_s)
+                       redis_url=self.redis.url, checkpoint_dir=self.checkpoint_dir, pace_s=plan.pace_s,
+                       ffn_dim=plan.ffn_dim)
         config = write_job(self.workdir / "soak.yaml", job)
         self.runner = Runner(config, self.workdir / "soak.log", job["recovery"]["preemption_grace_s"])
+        self.steps = StepWatch(self.redis.url, JOB)
         self.t0 = time.monotonic()
         self.runner.start()
         self.probe = Probe(self.t0, every_s=max(2.0, min(15.0, plan.every_s / 8)),
@@ -263,15 +319,20 @@ class Soak:
             if code is not None:
                 if code == 0:
                     break
-                if code == EXIT_PREEMPTED:  # not ours (ours rerun inside the fault): say so, go on
-                    self.note("longrun run was preempted without a SIGTERM from the soak; rerunning")
-                    self.runner.start()
-                    self.probe.controller_pid = self.runner.pid
-                    continue
+                if code == EXIT_PREEMPTED:  # ours are rerun inside the fault: this one stopped by itself
+                    failure = (f"longrun run exited {EXIT_PREEMPTED} (preempted) without a SIGTERM from "
+                               f"the soak; see {self.runner.log}")
+                    break
                 failure = f"longrun run exited {code}; see {self.runner.log}"
+                break
+            if self.failures:
+                failure = self.failures[0]
+                self.runner.terminate()
                 break
             record = self.record() or {}
             step = int(float(record.get("step", 0)))
+            if record.get("attempt") is not None:
+                self.steps.look(int(float(record["attempt"])))
             if first_step_at is None and step >= 1:
                 first_step_at = self.clock()
                 schedule = [(first_step_at + i * plan.every_s + rng.uniform(0, plan.every_s), kind)
@@ -297,6 +358,8 @@ class Soak:
         wall_s = self.clock()
         for item in deferred:  # the job ended: free the disk, reap what we froze, return nodes
             item.action()
+        if failure is None and self.failures:  # found by a second half run just now
+            failure = self.failures[0]
         self.probe.stop()
         record = self.record() or {}
         if schedule:
@@ -307,6 +370,7 @@ class Soak:
     def _inject(self, kind: str, step: int, injected: list[Injected]) -> list[Deferred]:
         fault = Injected(kind, self.clock(), time.time(), step)
         injected.append(fault)
+        self._striking = fault
         self.say(f"fault {len(injected)}/{len(self.plan.kinds)}: {kind} at step {step}")
         try:
             fault.detail, later = self.faults.inject(kind)
@@ -328,27 +392,30 @@ class Soak:
     # -- the report ---------------------------------------------------------------------------
     def _report(self, wall_s: float, record: dict[str, str], injected: list[Injected],
                 goodput: dict[str, Any] | None, failure: str | None, warm_s: float) -> dict[str, Any]:
-        from _soak_report import fault_outcomes, goodput_summary
+        from _soak_report import by_kind, fault_outcomes, goodput_summary
 
         steps_done = int(float(record.get("step", 0)))
+        for fault in injected:
+            fault.reported_end = self.steps.last_seen(fault.attempt)
+        log_text = self.runner.log.read_text(errors="replace") if self.runner.log.exists() else ""
         outcomes = fault_outcomes(injected, goodput, steps_done=steps_done,
-                                  finished=failure is None and record.get("state") == "SUCCEEDED")
+                                  finished=failure is None and record.get("state") == "SUCCEEDED",
+                                  restores=self.steps.restores, interval=INTERVAL_STEPS, log_text=log_text)
         lost = [o["steps_lost"] for o in outcomes if o["steps_lost"] is not None]
-        by_kind: dict[str, dict[str, int]] = {}
-        for o in outcomes:
-            entry = by_kind.setdefault(o["kind"], {"injected": 0, "survived": 0})
-            entry["injected"] += o["injected"]
-            entry["survived"] += o["survived"]
+        counts, lost_by_kind = by_kind(outcomes)
         samples = self.probe.samples
-        rss = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_mb[r]) for role in ROLES}
+        # A role with no process at a sample (the keepers between a kill and the next attempt)
+        # has no level there: it would pull a quarter's median to 0.
+        rss = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_mb[r] or None) for role in ROLES}
         total_rss = flatness(samples, warm_s, lambda s: sum(s.rss_mb.values()))
         keys = flatness(samples, warm_s, lambda s: s.redis_keys)
         return {
             "minutes": round(wall_s / 60, 2), "planned_minutes": self.plan.minutes, "seed": self.plan.seed,
-            "steps": self.plan.steps, "steps_done": steps_done,
+            "steps": self.plan.steps, "steps_done": steps_done, "pace_s": self.plan.pace_s,
+            "state_mb": state_mb_of(self.plan.ffn_dim), "interval_steps": INTERVAL_STEPS,
             "state": record.get("state"), "failure": failure,
             "faults": sum(o["injected"] for o in outcomes), "faults_planned": len(self.plan.kinds),
-            "faults_by_kind": by_kind, "fault_log": outcomes,
+            "faults_by_kind": counts, "steps_lost_by_kind": lost_by_kind, "fault_log": outcomes,
             **goodput_summary(goodput, wall_s, self.runner.lifetimes()),
             "steps_lost_max": max(lost) if lost else None,
             "redis_keys_max": keys["max"], "redis_keys": keys, "redis_restarts": self.redis.restarts,
@@ -373,7 +440,8 @@ class Soak:
         for _ in range(NODES - len([n for n in self.cluster.list_all_nodes() if not n.head])):
             self.cluster.add_node(**self.node_args())  # a node still out when the job ended
         config = write_job(self.workdir / "reference.yaml",
-                           reference_job(self.workdir / "reference", steps, ray_address=self.cluster.address))
+                           reference_job(self.workdir / "reference", steps, ray_address=self.cluster.address,
+                                         ffn_dim=self.plan.ffn_dim))
         runner = Runner(config, self.workdir / "reference.log", 60.0)
         started = time.monotonic()
         runner.start()

@@ -56,6 +56,17 @@ def training_workers() -> list[psutil.Process]:
     return sorted(found, key=lambda p: p.pid)
 
 
+def spare_workers() -> list[psutil.Process]:
+    """This soak's warm spares: worker processes started and idle, waiting for an attempt."""
+    found = []
+    for proc in processes("workers", None):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            busy = proc.cmdline()[0].startswith("ray::TrainWorker.")  # titled after the method it runs
+            if not busy and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return sorted(found, key=lambda p: p.pid)
+
+
 @dataclass
 class Sample:
     at: float  # seconds since the soak started

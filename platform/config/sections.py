@@ -441,6 +441,9 @@ class FaultSpec(Section):
     step: NonNegativeCount
     kind: FaultKind
     seconds: NonNegativeDuration = Field(0.0, description="Duration for 'slow' (extra time per step).")
+    in_step: bool = Field(
+        False, description="For 'slow': spend the time inside each step, before the optimizer update "
+        "(where a larger model's compute would be, beside the snapshot's copy), not after the step.")
     attempt: NonNegativeCount = Field(
         0, description="Only in this attempt, so a restart does not re-fire it.")
     release_file: str | None = Field(
@@ -452,6 +455,8 @@ class FaultSpec(Section):
         if (self.kind == "hold") != (self.release_file is not None):
             raise ValueError("release_file is required for a 'hold' fault and only for it: the held "
                              "rank waits until that file exists")
+        if self.in_step and self.kind != "slow":
+            raise ValueError("in_step applies to a 'slow' fault only; remove it from this fault")
         return self
 
 

@@ -8,7 +8,9 @@ optimizer steps in attempt `attempt`, do `kind`:
 - raise  raise `InjectedFault` from the training loop (a software error);
 - nan    poison one weight with NaN, so the next step's loss is NaN (silent data corruption);
 - slow   sleep `seconds` after every step from then on (a straggler: thermal throttling, a
-         slow link);
+         slow link); with `in_step`, inside every step instead, before the optimizer update
+         (`before_update`): the time a larger model's compute takes, which the step's snapshot
+         copy overlaps and a fault from outside lands in (bench/soak.py's pacing);
 - hold   wait, in phase "held", until `release_file` exists: a breakpoint an outside observer
          releases (a test holds every rank at one step until Prometheus has scraped it). The
          monitor judges a held rank by the hard hang ceiling, like a checkpoint;
@@ -58,6 +60,7 @@ class FaultInjector:
         self.on_phase = on_phase or (lambda phase: None)  # the heartbeat's phase, for 'hold'
         self.on_fail_save = on_fail_save  # arms the checkpoint writer, for 'fail_save'
         self.slow_s = 0.0
+        self.slow_in_step = False
 
     def __bool__(self) -> bool:
         return bool(self.pending) or self.slow_s > 0
@@ -66,7 +69,12 @@ class FaultInjector:
         """Call with the number of steps completed; fires what is due."""
         while self.pending and self.pending[0].step <= step:
             self._fire(self.pending.pop(0), step)
-        if self.slow_s:
+        if self.slow_s and not self.slow_in_step:
+            time.sleep(self.slow_s)
+
+    def before_update(self) -> None:
+        """The trainer's hook before each optimizer update: an `in_step` slow fault's time."""
+        if self.slow_s and self.slow_in_step:
             time.sleep(self.slow_s)
 
     def _fire(self, spec: FaultSpec, step: int) -> None:
@@ -93,7 +101,7 @@ class FaultInjector:
                 held = (p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters())
                 next(t for t in held if t.numel() > 0).view(-1)[0] = float("nan")
         elif spec.kind == "slow":
-            self.slow_s = spec.seconds
+            self.slow_s, self.slow_in_step = spec.seconds, spec.in_step
         elif spec.kind == "hold":
             self._hold(spec.release_file)
         elif spec.kind == "fail_save":

@@ -236,6 +236,9 @@ class TrainWorker:
                 hooks.snapshots = memory_snapshots(cfg, self.rank, self.snapshots, groups,
                                                    on_drop=metrics.snapshot_dropped,
                                                    on_interval=metrics.snapshot_interval)
+            # Before the hooks' own: an in-step slow fault's time is then what the snapshot's
+            # copy overlaps, as a larger model's compute would be.
+            trainer.before_update.append(hooks.faults.before_update)
             hooks.attach(trainer)
             resumed_from = self._restore(trainer, hooks, groups, replicas)
             if not resumed_from:
