@@ -215,3 +215,23 @@ def test_a_controller_that_dies_mid_attempt_is_taken_over_from_what_it_left_in_r
 
 def assert_near(got: dict[str, float], **want: float) -> None:
     assert {b: round(s, 6) for b, s in got.items() if s} == want, got
+
+
+def test_the_clock_starts_when_the_run_was_launched_and_its_service_start_up_is_startup(redis_client):
+    """`longrun run` starts Redis and Ray before its controller: the controller's clock starts at
+    the launch, so those seconds are start-up and the wall time is the run's, not the
+    controller's (the soak's own clock of the run agrees with it)."""
+    clock = Clock()
+    launched = clock.now
+    clock.advance(4.0)  # Redis and Ray starting
+    tracker = GoodputTracker("launched", redis_client, redis_client, wall=clock, started_at=launched)
+    tracker.resume(None, None)
+    tracker.moved(S.PLACING, clock.advance(1.0), attempt=0, world_size=1)
+    summary = tracker.summary()
+    assert summary.buckets["startup"] == pytest.approx(5.0)
+    assert sum(summary.buckets.values()) == pytest.approx(5.0) and summary.origin == launched
+    # Not given: the clock starts with the controller, as before.
+    late = GoodputTracker("late", redis_client, redis_client, wall=clock)
+    late.resume(None, None)
+    clock.advance(2.0)
+    assert sum(late.summary().buckets.values()) == pytest.approx(2.0)

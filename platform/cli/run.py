@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_run(args) -> int:
+    launched_at = time.time()  # the job's goodput clock starts here: Redis and Ray start-up count
     cfg = load(args)
     from longrun.services.ray_head import embedded_env, new_token
 
@@ -59,7 +61,7 @@ def cmd_run(args) -> int:
     console.print(f"[bold]longrun[/] job [bold]{cfg.job.name}[/]: {cfg.world_size} worker(s), layout "
                   f"{cfg.dims.layout_name}, {cfg.training.steps} steps; resolved config in "
                   f"{run_dir / 'config.yaml'}")
-    summary = _run_with_services(cfg, token, dashboard=args.ray_dashboard)
+    summary = _run_with_services(cfg, token, dashboard=args.ray_dashboard, launched_at=launched_at)
     goodput = f"; {shown(summary['goodput_line'])}" if summary.get("goodput_line") else ""
     if summary.get("stopped"):
         console.print(f"[yellow]stopped[/]: {shown(summary['reason'])}{goodput}", highlight=False)
@@ -79,9 +81,10 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _run_with_services(cfg, token: str | None, *, dashboard: bool = False) -> dict:
+def _run_with_services(cfg, token: str | None, *, dashboard: bool = False,
+                       launched_at: float | None = None) -> dict:
     """Run the job against the configured Redis and Ray, or embedded ones stopped at the end
-    (the head with `token`, its dashboard only when asked)."""
+    (the head with `token`, its dashboard only when asked); `launched_at` starts its goodput clock."""
     import ray
 
     from longrun.controller.driver import run_job
@@ -118,4 +121,5 @@ def _run_with_services(cfg, token: str | None, *, dashboard: bool = False) -> di
         stack.callback(ray.shutdown)
 
         with JobConsole(console, cfg.training.steps) as shown:
-            return run_job(cfg, redis_url, on_event=shown.line, worker_deaths=deaths.take)
+            return run_job(cfg, redis_url, on_event=shown.line, worker_deaths=deaths.take,
+                           launched_at=launched_at)

@@ -104,7 +104,8 @@ class Controller:
                  diagnostics_timeout_s: float = 300.0, launch: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep, serve_metrics: bool = True,
-                 worker_deaths: Callable[[], list[WorkerDeath]] | None = None):
+                 worker_deaths: Callable[[], list[WorkerDeath]] | None = None,
+                 launched_at: float | None = None):
         self.cfg = cfg
         self.redis_url = redis_url
         self.client = patient_client(redis_url, cfg.health.store_patience_s)  # the record path
@@ -143,8 +144,10 @@ class Controller:
             port = self.metrics.serve(obs.metrics_host, obs.controller_port, targets=self.targets)
             self._address = advertised_address(obs.metrics_host, port)
         # Where the wall time goes, from the workers' step ledger (goodput/); a job-wide summary.
+        # Its clock starts when the run was launched (`launched_at`: before Redis and Ray).
         self.goodput = GoodputTracker(cfg.job.name, self.client, self.watch_client, wall=wall,
-                                      window_steps=max(4096, 2 * cfg.checkpoint.interval_steps))
+                                      window_steps=max(4096, 2 * cfg.checkpoint.interval_steps),
+                                      started_at=launched_at)
         # The ranks' log lines into files, and the warnings they share printed once.
         rank_logs = RankLogs(cfg.job.name, cfg.run_dir, self.watch_client, self.client, self.on_event)
         # Nodes as a person reads them ("host (address)"), learnt from each placement.

@@ -28,17 +28,20 @@ EXIT_PREEMPTED = 75
 
 def run_job(cfg: JobConfig, redis_url: str, *, on_event: Callable[[str], None] | None = None,
             poll_s: float | None = None,
-            worker_deaths: Callable[[], list[WorkerDeath]] | None = None) -> dict[str, Any]:
+            worker_deaths: Callable[[], list[WorkerDeath]] | None = None,
+            launched_at: float | None = None) -> dict[str, Any]:
     """Run the job on the connected Ray cluster to its end; the summary of rank 0 (with
     "preempted": True when it stopped on request, its checkpoint saved), with the job's
     goodput ("goodput": the ratio; "goodput_line": it and its top three losses, as `longrun
     status` shows them). Raises UnsupportedJob before anything is placed when this version
     cannot run the config, and JobFailed (with the reason) when the job ends FAILED (the
     controller's goodput line comes just before). `worker_deaths`: Ray's reports of worker
-    processes that died (controller/ray_deaths.py), folded into the controller's lines."""
+    processes that died (controller/ray_deaths.py), folded into the controller's lines.
+    `launched_at`: when the run began (the goodput clock's start: its service start-up counts)."""
     check_runnable(cfg)
     check_reachable(cfg, redis_url)
-    controller = Controller(cfg, redis_url, on_event=on_event, poll_s=poll_s, worker_deaths=worker_deaths)
+    controller = Controller(cfg, redis_url, on_event=on_event, poll_s=poll_s, worker_deaths=worker_deaths,
+                            launched_at=launched_at)
     with _stop_on_signals(controller, on_event or (lambda line: None)):
         summary = controller.run()
     goodput = controller.goodput.summary()

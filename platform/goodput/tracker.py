@@ -46,11 +46,16 @@ class LedgerSubscriber(Protocol):
 
 class GoodputTracker:
     def __init__(self, job: str, client: Any, quick: Any, *, wall: Callable[[], float],
-                 window_steps: int = 4096, max_faults: int = 100):
+                 window_steps: int = 4096, max_faults: int = 100, started_at: float | None = None):
+        """`started_at`: when the run that made this controller was launched (`longrun run`
+        starts Redis and Ray first), so that those seconds are start-up, not outside every
+        bucket; now if not given."""
         self.job, self.client, self.quick, self.wall = job, client, quick, wall
         self.reader = LedgerReader(job)
         self._window, self._max_faults = window_steps, max_faults
-        self.account = GoodputAccount(wall(), window_steps=window_steps, max_faults=max_faults)
+        now = wall()
+        self.account = GoodputAccount(now if started_at is None else min(started_at, now),
+                                      window_steps=window_steps, max_faults=max_faults)
         self.attempt: int | None = None  # the attempt whose ledger is read
         self._world = 0
         self._restores: dict[int, Restore] = {}  # rank -> restore, of the attempt read
