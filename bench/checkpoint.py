@@ -33,16 +33,22 @@ by side in one process, alternating the order of the methods across reps (median
                (use_async_staging) is not measured: like longrun's GPU path it moves the wait to
                before the next optimizer step, which needs a real step between save and wait.
   memcpy     - the blocking floor: `copy_` of every tensor of the same state into host buffers
-               preallocated once (pinned on a GPU), no tree walking.
+               preallocated once (pinned on a GPU), no tree walking, the same intra-op threads;
+               the fastest rep is reported (a floor), not the median.
   disk       - the disk floor, `dd`-style: the state's bytes (the memcpy buffers) written to one
                file in 64 MB sequential writes, fsynced; then read back cold. No serialisation,
                no checksum: what the disk itself allows.
 Every save method builds `trainer.state_dict()` inside its timed region (training would have to),
-and every restore its target's (which gives a new optimizer its state).
-Ratios (seconds, ours over theirs; the last JSON line): `blocking_vs_sync`, `e2e_vs_dcp` (against
-the faster of the two DCP saves), `restore_vs_dcp_load`, `restore_vs_torch_load`, `e2e_vs_disk`,
-`restore_vs_disk`. Targets (issue 39, state >= 4 GB): blocking <= 0.10 of sync; end-to-end and
-cold restore no slower than DCP's, and each within 1.5x of the disk floor.
+and every restore its target's (which gives a new optimizer its state). Every method starts on a
+quiet machine (`os.sync()` first: no writeback of the previous method's files beside it), and
+one training step runs between reps, so each rep saves and restores weights no earlier save
+held (the restores are checked against them).
+Ratios (seconds, ours over theirs; the last JSON line): `blocking_vs_sync`, `blocking_vs_dcp`
+and `e2e_vs_dcp` (the headline: DCP with its stager reused, as documented for repeated saves;
+`_fresh` against a fresh stager per save), `restore_vs_dcp_load` (the headline restore),
+`restore_vs_torch_load`, `blocking_vs_memcpy`, `e2e_vs_disk`, `restore_vs_disk`. Targets (issue 39,
+state >= 4 GB): blocking <= 0.10 of sync; end-to-end and cold restore no slower than DCP's, and
+each within 1.5x of the disk floor; and the floor below longrun (`blocking_vs_memcpy` >= 1).
 On a GPU (`--device cuda`, or auto) the state lives on the device and every copy is
 device-to-host (longrun and the floor into pinned buffers). Host memory: about 6x the state
 (the trainer's, a restore target's, longrun's staging buffer, DCP's stager, the memcpy
@@ -186,6 +192,18 @@ def state_tensors(trainer) -> list[Any]:
     return tensors_of(trainer.state_dict())
 
 
+def train_between(trainer) -> None:
+    """One training step, so every rep saves and restores weights no earlier save held (a
+    restore that returned an older save's, or a snapshot that skipped a copy, fails the rep's
+    weight check). Raises if the step left the weights as they were."""
+    before = [t.clone() for t in list(trainer.model.state_dict().values())[:4]]
+    trainer.train_step()
+    trainer.close()  # the data thread again stopped: nothing runs beside the measurements
+    after = list(trainer.model.state_dict().values())[:4]
+    if all(torch.equal(a, b) for a, b in zip(before, after, strict=True)):
+        raise RuntimeError("a training step left the weights unchanged: the reps would save the same state")
+
+
 def measure(bench: Bench, reps: int) -> dict[str, Any]:
     # Warm-ups: each path's first call pays one-time costs (longrun and dcp_cached allocate
     # their buffers, memcpy touches its pages for the first time, DCP imports its planner).
@@ -194,6 +212,7 @@ def measure(bench: Bench, reps: int) -> dict[str, Any]:
         bench.first[method] = row["blocking_s"]
         log(f"warm-up {method:<10} blocking {row['blocking_s']:.3f} s")
     for rep in range(reps):
+        train_between(bench.trainer)
         order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
         if rep % 2:
             order = order[::-1]
@@ -202,8 +221,10 @@ def measure(bench: Bench, reps: int) -> dict[str, Any]:
             bench.rows[method].append(row)
             shown = ", ".join(f"{k} {v:.3f}" for k, v in row.items())
             log(f"rep {rep + 1}/{reps} {method:<10} {shown}")
-    return {m: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-            for m, rows in bench.rows.items()} | {"first": bench.first, "raw": bench.rows}
+    summary = {m: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+               for m, rows in bench.rows.items()}
+    summary["memcpy"]["blocking_s"] = min(r["blocking_s"] for r in bench.rows["memcpy"])  # a floor
+    return summary | {"first": bench.first, "raw": bench.rows}
 
 
 def report(s: dict[str, Any], breakdown: dict[str, float], nbytes: int, reps: int, device: str,
@@ -211,15 +232,19 @@ def report(s: dict[str, Any], breakdown: dict[str, float], nbytes: int, reps: in
     ours, sync, dcp, cached, floor = (s[m]["blocking_s"] for m in ("longrun", "sync", "dcp", "dcp_cached",
                                                                      "memcpy"))
     e2e, restore = s["longrun"]["e2e_s"], s["longrun"]["restore_s"]
-    dcp_e2e = min(s["dcp"]["e2e_s"], s["dcp_cached"]["e2e_s"])  # the faster DCP save
     disk_write, disk_read = s["disk"]["e2e_s"], s["disk"]["restore_s"]
-    ratios = {"blocking_vs_sync": ours / sync, "blocking_vs_dcp": ours / dcp,
-              "blocking_vs_memcpy": ours / floor, "e2e_vs_dcp": e2e / dcp_e2e,
+    # The headline DCP is the reused stager (its documented way for repeated saves) and dcp.load;
+    # a fresh stager per save is reported beside it.
+    ratios = {"blocking_vs_sync": ours / sync, "blocking_vs_dcp": ours / cached,
+              "blocking_vs_dcp_fresh": ours / dcp,
+              "blocking_vs_memcpy": ours / floor, "e2e_vs_dcp": e2e / s["dcp_cached"]["e2e_s"],
+              "e2e_vs_dcp_fresh": e2e / s["dcp"]["e2e_s"],
               "e2e_vs_disk": e2e / disk_write,
               "restore_vs_dcp_load": restore / s["dcp_cached"]["restore_s"],
               "restore_vs_torch_load": restore / s["sync"]["restore_s"],
               "restore_vs_disk": restore / disk_read}
     targets = {"blocking_vs_sync<=0.10": ratios["blocking_vs_sync"] <= 0.10,
+               "blocking_vs_memcpy>=1": ratios["blocking_vs_memcpy"] >= 1.0,  # a floor is a floor
                "e2e_vs_dcp<=1": ratios["e2e_vs_dcp"] <= 1.0, "e2e_vs_disk<=1.5": ratios["e2e_vs_disk"] <= 1.5,
                "restore_vs_dcp_load<=1": ratios["restore_vs_dcp_load"] <= 1.0,
                "restore_vs_disk<=1.5": ratios["restore_vs_disk"] <= 1.5}
@@ -246,6 +271,8 @@ def report(s: dict[str, Any], breakdown: dict[str, float], nbytes: int, reps: in
     print(f"longrun: restore warm {s['longrun']['restore_warm_s']:.3f} s; write on the writer thread "
           f"{s['longrun']['write_s']:.3f} s; breakdown (writer idle): trainer.state_dict() "
           f"{breakdown['state_dict_s'] * 1e3:.1f} ms, HostStager.stage {breakdown['stage_s']:.3f} s")
+    print(f"headline, against DCP's reused stager and dcp.load: blocking {ratios['blocking_vs_dcp']:.3f}, "
+          f"end-to-end {ratios['e2e_vs_dcp']:.3f}, cold restore {ratios['restore_vs_dcp_load']:.3f}")
     print("ratios (ours over theirs, seconds): " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items()))
     r = lambda x: round(x, 4)  # noqa: E731
@@ -262,6 +289,7 @@ def report(s: dict[str, Any], breakdown: dict[str, float], nbytes: int, reps: in
         "first_blocking_s": r(s["first"]["longrun"]), "save_return_s": r(s["longrun"]["save_return_s"]),
         "state_dict_s": r(breakdown["state_dict_s"]), "stage_s": r(breakdown["stage_s"]),
         "dcp_stager_closed": s["dcp_stager_closed"], "targets_met": targets,
+        "trained_between_reps": True, "headline_dcp": "dcp_cached (one DefaultStager reused) and dcp.load",
         "raw_blocking_s": {m: [r(x["blocking_s"]) for x in rows] for m, rows in s["raw"].items()},
     }))
 

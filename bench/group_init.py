@@ -4,23 +4,34 @@
     unshare --net -- sh -c 'ip link set lo up && exec .venv/bin/python bench/group_init.py --quick'
     unshare --net -- sh -c 'ip link set lo up && exec .venv/bin/python bench/group_init.py --only store'
 
-Four measurements, each side by side in one run (gloo on CPU, spawned processes):
+Four measurements, each side by side in one run (gloo on CPU, spawned processes). Every row's
+JSON names its `baseline`: the torch function whose real behaviour it runs or reproduces, with
+TORCH_DIST_INIT_BARRIER as the bench found it (unset: 0, torch's default, no store barrier
+after a group is created).
   fresh  - from "every process has imported torch" to "every group usable" (a first
-           all-gather done on each), longrun vs TCPStore + `new_group` for every group by
-           every rank in the same order. Both create the same de-duplicated group set
-           (tp/cp/pp/dp/dp_cp + dynamic-CP power-of-two groups); the same processes run both
-           paths, alternating which goes first.
+           all-gather done on each), longrun vs TCPStore + torch's own `new_group` for every
+           group, two ways: the default (every rank calls it for every group, in one order)
+           and `use_local_synchronization=True` (members only, the way longrun calls it).
+           All create the same de-duplicated group set (tp/cp/pp/dp/dp_cp + dynamic-CP
+           power-of-two groups); the same processes run every path, rotating which goes first.
   reform - one rank is SIGKILLed; from the failure decision to every group usable again:
            longrun's survivors abort their groups and re-form under a new attempt with one
            freshly spawned replacement, vs killing every process and respawning the world
-           on the default path.
+           on the default path. Also timed: spawning processes that import torch and
+           longrun, one alone and the whole world at once, which is how much of the respawn
+           is interpreters importing torch on this machine's cores (real hosts import in
+           parallel, one process per accelerator).
   store  - 1,024 / 4,096 / 16,384 simulated ranks (2 processes x 16 threads, each thread a
-           client) issuing the store traffic of world + group initialisation: longrun's real
-           count-in on Redis (one script, one XREAD per rank, nothing per group) vs torch's
-           per-group pattern on TCPStore (libuv; per group the root publishes an id, members
-           read it, count in, and wait for it to be complete); also longrun's protocol on
-           TCPStore and longrun plus per-group NCCL ids; with where the time went (server
-           CPU, commands, the client processes' CPU).
+           client) issuing the store traffic of world + group initialisation at GPU scale:
+           longrun's real count-in on Redis (one script, one XREAD per rank, nothing per group)
+           vs torch's real patterns on TCPStore (libuv), read from distributed_c10d.py:
+           `split_group` (and `new_group` on a device-bound world: ncclCommSplit, no store
+           keys per group), `new_group` bootstrapping each NCCL group (the root sets its id,
+           members read it; the same keys with or without use_local_synchronization), and
+           `new_group(use_local_synchronization=True)` with TORCH_DIST_INIT_BARRIER=1 (that
+           plus a store barrier of the members); also longrun's protocol on TCPStore and
+           longrun plus per-group NCCL ids; with where the time went (server CPU, commands,
+           the client processes' CPU).
   reform-store - the store side of re-forming every group under a new attempt after one of
            16,384 ranks died: deleting the dead attempt's keys, then every rank re-keys.
 Every world is spawned by `longrun.testing.worlds.World` (a rank's own pipe for its results, so
@@ -61,8 +72,15 @@ def make(world: int):
 # --- the default path -------------------------------------------------------------------------
 
 
-def default_bringup(layout, rank: int, port: int):
-    """TCPStore on rank 0, then every rank creates every group in the same order."""
+BASELINES = {  # path -> the torch function it runs
+    "default": "torch.distributed.new_group",
+    "local": "torch.distributed.new_group(use_local_synchronization=True)",
+}
+
+
+def default_bringup(layout, rank: int, port: int, local: bool = False):
+    """TCPStore on rank 0, then every group created by torch's `new_group` in one order: by
+    every rank for every group (the default), or by its members only (`local`)."""
     import torch.distributed as dist
 
     world = layout.world_size
@@ -73,8 +91,9 @@ def default_bringup(layout, rank: int, port: int):
     # The group set longrun forms (tp/cp/pp/dp/dp_cp + dynamic-CP sizes), in its canonical order.
     everything = [g for _name, groups in layout.named_groups for g in groups]
     for g in everything:
-        if tuple(g) not in created:
-            created[tuple(g)] = dist.new_group(g, timeout=TIMEOUT)  # non-members must call too
+        if tuple(g) in created or (local and rank not in g):
+            continue  # by default non-members must call too; with local synchronisation they need not
+        created[tuple(g)] = dist.new_group(g, timeout=TIMEOUT, use_local_synchronization=local)
     return {name: (created[tuple(members)], members) for name, members in layout.groups_of(rank)}
 
 
@@ -101,8 +120,9 @@ def fresh_worker(rank, world, init_file, results, url, ports, reps, barrier):
     # Round 0 is a warm-up of both paths, not reported: a process's first bring-up pays one-time
     # costs (lazy imports inside torch.distributed, gloo device set-up) that would otherwise
     # land on whichever path happens to run first.
+    paths = ("ours", "default", "local")
     for rep in range(reps + 1):
-        order = ("ours", "default") if rep % 2 == 0 else ("default", "ours")
+        order = paths[rep % 3:] + paths[:rep % 3]  # each path goes first in turn
         for path in order:
             barrier.wait(timeout=600)  # everyone imported, previous world torn down
             start = time.time()
@@ -114,7 +134,7 @@ def fresh_worker(rank, world, init_file, results, url, ports, reps, barrier):
                 end = time.time()
                 groups.teardown()
             else:
-                named = default_bringup(layout, rank, ports[rep])
+                named = default_bringup(layout, rank, ports[2 * rep + (path == "local")], path == "local")
                 check_named(rank, named)
                 detail = None
                 end = time.time()
@@ -161,10 +181,10 @@ def respawn_worker(rank, world, init_file, results, port, hold):
 
 def measure_fresh(world: int, reps: int, url: str) -> dict:
     barrier = CONTEXT.Barrier(world)
-    ports = [listen_port() for _ in range(reps + 1)]
+    ports = [listen_port() for _ in range(2 * (reps + 1))]
     with World(fresh_worker, world, args=(url, ports, reps, barrier)) as ranks:
-        rows = ranks.run(world * (reps + 1) * 2, timeout=3600)
-    times = {"ours": [], "default": []}
+        rows = ranks.run(world * (reps + 1) * 3, timeout=3600)
+    times = {"ours": [], "default": [], "local": []}
     breakdown = []
     for path in times:
         for rep in range(1, reps + 1):
@@ -173,20 +193,51 @@ def measure_fresh(world: int, reps: int, url: str) -> dict:
             if path == "ours":
                 breakdown.append(max(mine, key=lambda r: r[4] - r[3])[5].summary())
     ours, theirs = statistics.median(times["ours"]), statistics.median(times["default"])
-    log(f"fresh world {world}: longrun {ours:.3f} s, torch default {theirs:.3f} s "
-        f"(x{theirs / ours:.2f}); slowest longrun rank: {breakdown[0]}")
-    return {"world": world, "ours_s": round(ours, 4), "torch_default_s": round(theirs, 4),
-            "ratio": round(theirs / ours, 3), "reps": reps, "ours_breakdown": breakdown[0]}
+    local = statistics.median(times["local"])
+    log(f"fresh world {world}: longrun {ours:.3f} s, torch new_group {theirs:.3f} s (x{theirs / ours:.2f}), "
+        f"members only {local:.3f} s (x{local / ours:.2f}); slowest longrun rank: {breakdown[0]}")
+    return {"world": world, "ours_s": round(ours, 4), "baseline": BASELINES["default"],
+            "torch_default_s": round(theirs, 4), "ratio": round(theirs / ours, 3),
+            "local": {"baseline": BASELINES["local"], "torch_s": round(local, 4),
+                      "ratio": round(local / ours, 3)},
+            "reps": reps, "ours_breakdown": breakdown[0]}
 
 
 def measure_reform(world: int, url: str, reps: int) -> dict:
     runs = [reform_once(world, url, rep) for rep in range(reps)]
     ours = statistics.median(r[0] for r in runs)
     respawn = statistics.median(r[1] for r in runs)
+    one = statistics.median(spawn_importing(1) for _ in range(reps))
+    everyone = statistics.median(spawn_importing(world) for _ in range(reps))
+    # On hosts with a core per process the world imports as fast as one process does.
+    respawn_parallel = respawn - everyone + one
     log(f"reform world {world} (median of {reps}): longrun {ours:.2f} s, kill-all + respawn {respawn:.2f} s "
-        f"(x{respawn / ours:.1f}); runs {[(round(a, 2), round(b, 2)) for a, b in runs]}")
-    return {"world": world, "ours_s": round(ours, 3), "respawn_s": round(respawn, 3),
-            "speedup": round(respawn / ours, 2), "reps": reps}
+        f"(x{respawn / ours:.1f}); runs {[(round(a, 2), round(b, 2)) for a, b in runs]}; spawning "
+        f"and importing: one process {one:.2f} s, {world} at once {everyone:.2f} s, so the respawn "
+        f"with parallel imports {respawn_parallel:.2f} s (x{respawn_parallel / ours:.1f})")
+    return {"world": world, "ours_s": round(ours, 3),
+            "baseline": f"kill every process, respawn, TCPStore + {BASELINES['default']}",
+            "respawn_s": round(respawn, 3), "speedup": round(respawn / ours, 2), "reps": reps,
+            "import_one_s": round(one, 3), "import_world_s": round(everyone, 3),
+            "respawn_parallel_import_s": round(respawn_parallel, 3),
+            "speedup_parallel_import": round(respawn_parallel / ours, 2)}
+
+
+def import_worker(rank, world, init_file, results):
+    import torch.distributed  # noqa: F401  what a respawned rank imports before its groups
+
+    import longrun.commgroup  # noqa: F401
+
+    results.put(time.time())
+
+
+def spawn_importing(n: int) -> float:
+    """Seconds from spawning `n` processes at once until every one has imported torch and
+    longrun's commgroup."""
+    start = time.time()
+    with World(import_worker, n, timeout=600) as world:
+        done = world.run()
+    return max(done) - start
 
 
 def reform_once(world: int, url: str, rep: int) -> tuple[float, float]:
@@ -233,6 +284,8 @@ def main() -> None:
     cli.add_argument("--store-ranks", default=None,
                      help="simulated ranks of store and reform-store, comma-separated "
                           "(default 1024,4096,16384; --quick: 1024)")
+    cli.add_argument("--reform-reps", type=int, default=None,
+                     help="re-formation repeats, median reported (default 3; --quick: 1)")
     cli.add_argument("--store-reps", type=int, default=None,
                      help="repeats of each store measurement, median reported (default 3; --quick: 1)")
     args = cli.parse_args()
@@ -250,36 +303,43 @@ def main() -> None:
         server.client().config_set("maxclients", 10000)
         only = set(args.only or ("fresh", "reform", "store", "reform-store"))
         fresh = [measure_fresh(w, reps, server.url) for w in worlds] if "fresh" in only else []
-        reform_reps = 1 if args.quick else 3
+        reform_reps = args.reform_reps or (1 if args.quick else 3)
         reform = measure_reform(reform_world, server.url, reform_reps) if "reform" in only else None
         store = [measure_store(n, server.url, store_reps) for n in store_ranks] if "store" in only else []
         reform_store = ([measure_reform_store(n, server.url, store_reps) for n in store_ranks]
                         if "reform-store" in only else [])
     print_table(fresh, reform, store, reform_store)
-    print(json.dumps({"reform": reform, "fresh": fresh[-1] if fresh else None,
+    print(json.dumps({"torch_dist_init_barrier": os.environ.get("TORCH_DIST_INIT_BARRIER", "0"),
+                      "reform": reform, "fresh": fresh[-1] if fresh else None,
                       "store": store[-1] if store else None,
                       "reform_store": reform_store[-1] if reform_store else None,
                       "fresh_all": fresh, "store_all": store, "reform_store_all": reform_store}))
 
 
 def print_table(fresh: list[dict], reform: dict | None, store: list[dict], reform_store: list[dict]) -> None:
-    print(f"{'measurement':<28}{'longrun':>12}{'baseline':>12}{'ratio':>8}")
+    print(f"{'measurement':<36}{'longrun':>12}{'baseline':>12}{'ratio':>8}")
+
+    def row(label: str, ours: float, theirs: float, ratio: float, digits: int = 3) -> None:
+        print(f"{label:<36}{ours:>11.{digits}f}s{theirs:>11.{digits}f}s{ratio:>8.2f}")
+
     for f in fresh:
-        print(f"{'fresh world ' + str(f['world']):<28}{f['ours_s']:>11.3f}s{f['torch_default_s']:>11.3f}s"
-              f"{f['ratio']:>8.2f}")
+        row(f"fresh world {f['world']}, new_group", f["ours_s"], f["torch_default_s"], f["ratio"])
+        row("  new_group, members only", f["ours_s"], f["local"]["torch_s"], f["local"]["ratio"])
     if reform:
-        label = f"reform world {reform['world']}"
-        print(f"{label:<28}{reform['ours_s']:>11.2f}s{reform['respawn_s']:>11.2f}s{reform['speedup']:>8.2f}")
-    for s in store:  # baseline: TCPStore with torch's per-group pattern
-        print(f"{'store ' + str(s['ranks']) + ' ranks':<28}{s['redis_s']:>11.2f}s"
-              f"{s['tcpstore_s']:>11.2f}s{s['ratio']:>8.2f}")
-        print(f"{'  same protocol on TCPStore':<28}{s['redis_s']:>11.2f}s"
-              f"{s['tcpstore_same_protocol_s']:>11.2f}s{s['ratio_same_protocol']:>8.2f}")
-        print(f"{'  + per-group NCCL ids':<28}{s['redis_with_group_ids_s']:>11.2f}s"
-              f"{s['tcpstore_s']:>11.2f}s{s['tcpstore_s'] / s['redis_with_group_ids_s']:>8.2f}")
+        row(f"reform world {reform['world']}", reform["ours_s"], reform["respawn_s"], reform["speedup"], 2)
+        row("  respawn importing in parallel", reform["ours_s"], reform["respawn_parallel_import_s"],
+            reform["speedup_parallel_import"], 2)
+    for s in store:
+        row(f"store {s['ranks']} ranks, new_group", s["redis_s"], s["tcpstore_s"], s["ratio"], 2)
+        for key, label in (("split_group", "split_group"), ("barrier_local", "new_group, local, barrier=1")):
+            row(f"  {label}", s["redis_s"], s[key]["tcpstore_s"], s[key]["ratio"], 2)
+        row("  same protocol on TCPStore", s["redis_s"], s["tcpstore_same_protocol_s"],
+            s["ratio_same_protocol"], 2)
+        row("  longrun + per-group ids, new_group", s["redis_with_group_ids_s"], s["tcpstore_s"],
+            s["ratio_new_group_vs_ids"], 2)
     for s in reform_store:
-        print(f"{'reform-store ' + str(s['ranks']) + ' ranks':<28}{s['redis_s']:>11.2f}s"
-              f"{s['tcpstore_s']:>11.2f}s{s['ratio']:>8.2f}")
+        row(f"reform-store {s['ranks']} ranks, new_group", s["redis_s"], s["tcpstore_s"], s["ratio"], 2)
+        row("  split_group", s["redis_s"], s["split_group"]["tcpstore_s"], s["split_group"]["ratio"], 2)
 
 
 if __name__ == "__main__":

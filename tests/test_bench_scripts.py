@@ -14,6 +14,9 @@ import psutil
 import pytest
 import torch
 
+from longrun.config.sections import ModelSection
+from longrun.trainer.model import Transformer
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -40,6 +43,17 @@ def test_a_multi_process_bench_runs_its_world_end_to_end():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["world"] == 2 and result["params"] > 0 and result["longrun_step_s"] > 0
+    # The model it timed is the one asked for, and its ratios are of the times it reports.
+    with torch.device("meta"):
+        model = Transformer(ModelSection(dim=64, n_layers=1, n_heads=1, max_seq_len=64))
+    assert result["params"] == model.num_params() and result["tokens_per_rank"] == 64
+    ratio = result["after_step_s"] / result["longrun_step_s"]
+    rounding = ratio * (5e-5 / result["after_step_s"] + 5e-5 / result["longrun_step_s"]) + 6e-4
+    assert result["ratio"] == pytest.approx(ratio, abs=rounding)
+    hidden = (result["after_step_s"] - result["longrun_step_s"]) / result["comm_s"]
+    # (each to within what rounding the times to 0.1 ms and the ratios to 0.001 allows)
+    slack = (1e-4 + abs(hidden) * 5e-5) / result["comm_s"] + 6e-4
+    assert result["hidden_fraction"] == pytest.approx(hidden, abs=slack)
 
 
 @pytest.mark.slow  # the suite's time: restoring at another layout is tests/test_resharding.py's
@@ -127,6 +141,17 @@ def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_rat
     store = result["store"]
     assert store["ranks"] == 64 and store["redis_s"] > 0 and store["tcpstore_s"] > 0
     assert store["ratio"] == pytest.approx(store["tcpstore_s"] / store["redis_s"], rel=0.01)
+    # Each baseline is named by the torch function whose store traffic it reproduces, and does
+    # what that function does: split_group adds no key per group, new_group one id per distinct
+    # group (the same groups longrun would key were they not split), its local barrier the same.
+    assert store["baseline"].startswith("torch.distributed.new_group") and "BARRIER=0" in store["baseline"]
+    assert store["split_group"]["baseline"] == "torch.distributed.split_group"
+    assert store["split_group"]["groups_per_rank"] == 0
+    assert store["groups_per_rank"] == store["distinct_groups_per_rank"] > 0
+    assert store["barrier_local"]["groups_per_rank"] == store["distinct_groups_per_rank"]
+    assert "TORCH_DIST_INIT_BARRIER=1" in store["barrier_local"]["baseline"]
+    assert store["world_barrier_round_trips"] == 3 * 64 * store["world_groups"] > 0
+    assert result["torch_dist_init_barrier"] == "0"
     # The real count-in: per rank one script and one XREAD, plus torch's world id (one set, a
     # read per rank); nothing per group. (On the fresh server each script's first EVALSHA is
     # refused, NOSCRIPT, and sent again after one SCRIPT LOAD.)
@@ -135,6 +160,9 @@ def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_rat
     assert commands["evalsha"]["calls"] - loads == 64 + 1 and commands["xread"]["calls"] == 2 * 64
     reform = result["reform_store"]
     assert reform["ranks"] == 64 and reform["rekey_s"] > 0 and reform["tcpstore_s"] > 0
+    assert reform["baseline"] == store["baseline"]
+    assert reform["split_group"]["ratio"] == pytest.approx(
+        reform["split_group"]["tcpstore_s"] / reform["redis_s"], rel=0.01)
     assert reform["redis_s"] == pytest.approx(reform["delete_old_attempt_s"] + reform["rekey_s"], abs=0.002)
 
 
@@ -155,6 +183,7 @@ def test_cp_kernel_benchmark_dry_run_runs_both_kernels_on_both_blocks():
     assert [r["diagonal"] for r in result["rows"]] == [True, False]
     for row in result["rows"]:
         assert row["flash"]["s"] > 0 and row["math"]["s"] > 0 and row["speedup"] > 0
+        assert row["speedup"] == pytest.approx(row["math"]["s"] / row["flash"]["s"], abs=0.006)
         # the same block: flash (float32 on the CPU) agrees with the math kernel
         assert row["flash_vs_math"]["out"] < 1e-5 and row["flash_vs_math"]["dq"] < 1e-5
 

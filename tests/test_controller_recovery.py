@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -161,7 +162,9 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
     finally:
         first.kill()  # the controller dies; Ray reaps the actors it owned
         first.wait()
+    restarted = time.time()  # the second controller starts after this
     summary = Controller(cfg, redis_server.url).run()
+    finished = time.time()
     assert summary["step"] == STEPS and summary["attempt"] >= 1 and summary["resumed_from"] >= 4
     _assert_same_weights(committed_weights(cfg.checkpoint_dir, STEPS), reference)
     events = job_status(redis_client, cfg.job.name, events=100)["events"]
@@ -171,6 +174,14 @@ def test_a_killed_controller_is_resubmitted_and_resumes(cluster, reference, redi
     goodput = read_summary(redis_client, cfg.job.name)
     assert goodput.buckets["controller_down"] > 0, goodput
     assert [f["kind"] for f in goodput.faults] == ["controller_lost"], goodput.faults
+    # The death is declared by the controller that took over (after it started, before it
+    # ended), charged the steps the dead one's attempt finished past the step restored, and the
+    # gap it left ends at that declaration, after the first controller's start.
+    [lost] = goodput.faults
+    assert restarted <= lost["declared_at"] <= finished, (lost, restarted, finished)
+    assert lost["last_step"] >= 5 and lost["restored_step"] == summary["resumed_from"], (lost, summary)
+    assert lost["steps_lost"] == lost["last_step"] - lost["restored_step"], lost
+    assert goodput.buckets["controller_down"] <= lost["declared_at"] - goodput.origin, goodput
     assert sum(goodput.buckets.values()) == pytest.approx(goodput.wall_s, rel=0.02), goodput
     assert goodput.unaccounted_s == pytest.approx(0.0, abs=0.01 * goodput.wall_s), goodput
 

@@ -8,6 +8,8 @@ checks the state it moved to, what it asked of the group, and what it wrote to t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from controller_fakes import (
     NODES,
@@ -285,30 +287,46 @@ def test_a_straggler_is_reported_and_the_attempt_keeps_running(rig, redis_client
     assert not launcher.groups[0].stopped
 
 
-def _restarted_after_a_death(rig, name: str):
-    """A job whose rank 0 died in attempt 0, stepped until attempt 1 runs."""
+def _restarted_after_a_death(rig, name: str, wall: Clock | None = None):
+    """A job whose rank 0 died in attempt 0, stepped until attempt 1 runs. With `wall` (the
+    controller's wall clock), 2 s pass on it between the declaration and the relaunch."""
     make, launcher, *_ = rig
     cfg = job(name)
-    c = make(cfg)
+    c = make(cfg) if wall is None else make(cfg, wall=wall)
     drive_to_running(c)
     launcher.groups[0].script.append([RankEnded(0, kind="dead", detail="rank 0's process died")])
     c.step()
+    if wall is not None:
+        wall.t += 2.0
     for _ in range(4):
         c.step()
     assert c.machine.state is JobState.RUNNING and c.attempt_number == 1
     return c, cfg, launcher
 
 
+def _wall() -> Clock:
+    """A wall clock the test moves by hand, starting at the real time (heartbeats carry theirs)."""
+    wall = Clock()
+    wall.t = time.time()
+    return wall
+
+
 def test_recovery_is_measured_to_the_first_step_of_the_new_attempt(rig, redis_client):
-    c, cfg, launcher = _restarted_after_a_death(rig, "steps-recovered")
+    wall = _wall()
+    c, cfg, launcher = _restarted_after_a_death(rig, "steps-recovered", wall)
     beat_all(redis_client, cfg, 1, step=4, resumed_from=4, phase="restore")
+    wall.t += 3.0
     c.step()
     events = job_status(redis_client, cfg.job.name, 50)["events"]
     assert not any(e["type"] == "recovered" for e in events)  # restored is not yet a step
     beat_all(redis_client, cfg, 1, step=5, resumed_from=4, phase="forward")
+    wall.t += 1.25
     c.step()
     recovered = [e for e in job_status(redis_client, cfg.job.name, 50)["events"] if e["type"] == "recovered"]
     assert len(recovered) == 1 and recovered[0]["attempt"] == 1 and recovered[0]["seconds"] >= 0
+    # From the fault's declaration (not the relaunch, nor the restore) to the poll that saw the
+    # first step: 2 + 3 + 1.25 s on the controller's wall clock.
+    assert recovered[0]["seconds"] == pytest.approx(6.25)
     # Spares for the next restart are warmed once the attempt trains, not during its start-up.
     assert launcher.warmed == [1]
 
@@ -318,16 +336,19 @@ def test_an_attempt_that_finishes_before_a_poll_sees_its_first_step_still_report
     # A short remainder after a fault: the ranks restore, train to the end and finish between two
     # polls (with node agents a finished rank leaves its node's record at once), so no heartbeat
     # ever shows a step past the restore. The recovery is reported from the ranks' summaries.
-    c, cfg, launcher = _restarted_after_a_death(rig, "steps-recovered-at-end")
+    wall = _wall()
+    c, cfg, launcher = _restarted_after_a_death(rig, "steps-recovered-at-end", wall)
     beat_all(redis_client, cfg, 1, step=8, resumed_from=8, phase="restore")
     c.step()
     done = {"step": 10, "loss": 2.0, "resumed_from": 8, "preempted": False}
     launcher.groups[1].script.append([RankEnded(r, summary={"rank": r} | done) for r in range(4)])
+    wall.t += 4.5
     c.step()
     recovered = [e for e in job_status(redis_client, cfg.job.name, 50)["events"] if e["type"] == "recovered"]
     assert len(recovered) == 1, recovered
     assert (recovered[0]["attempt"], recovered[0]["resumed_from"], recovered[0]["at_end"]) == (1, 8, True)
     assert recovered[0]["seconds"] >= 0
+    assert recovered[0]["seconds"] == pytest.approx(2.0 + 4.5)  # the declaration to the summaries
     assert "before a heartbeat showed its first step" in recovered[0]["reason"]
     assert launcher.warmed == []  # no spares for an attempt that has ended
 
@@ -379,12 +400,16 @@ def test_a_spike_that_returns_at_the_same_data_is_skipped_on_the_next_attempt(ri
 def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):
     make, launcher, *_ = rig
     cfg = job("steps-metrics")
-    c = make(cfg)
+    wall = _wall()
+    c = make(cfg, wall=wall)
     value = c.metrics.registry.get_sample_value
     drive_to_running(c)
     assert value("longrun_job_state", {"job": cfg.job.name, "longrun_job_state": "RUNNING"}) == 1
+    sent_from = time.time()
     for rank in range(WORLD):
         beat(redis_client, cfg, 0, rank, step=2, phase="forward", metrics_addr=f"127.0.0.1:{9100 + rank}")
+    sent_to = time.time()
+    wall.t = sent_to + 30.0  # the poll reads the beats 30 s after the last was sent
     c.step()
     workers = [g for g in c.targets() if g["labels"]["role"] == "worker"]
     assert [g["targets"] for g in workers] == [[f"127.0.0.1:{9100 + r}"] for r in range(WORLD)]
@@ -392,6 +417,9 @@ def test_metrics_and_scrape_targets_follow_the_attempts(rig, redis_client):
     # `node` by name, `node_id` by id: the fakes' nodes have no names, so both are the id.
     age = {"job": cfg.job.name, "rank": "3", "node": "node-b", "node_id": "node-b"}
     assert value("longrun_heartbeat_age_seconds", age) >= 0
+    # The age is the controller's wall clock minus the beat's own send time, which lies between
+    # the two readings around the publishing.
+    assert 30.0 <= value("longrun_heartbeat_age_seconds", age) <= 30.0 + (sent_to - sent_from)
     launcher.groups[0].script.append([RankEnded(3, kind="dead", detail="rank 3's process died")])
     assert c.step() is JobState.RECOVERING
     assert value("longrun_job_restarts_total", {"job": cfg.job.name, "cause": "dead"}) == 1

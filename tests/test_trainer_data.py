@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -311,11 +312,36 @@ def test_prefetcher_propagates_the_source_exception(depth):
     assert pre.thread is None or not pre.thread.is_alive()
 
 
+def _timed_source(n, spans):
+    """Items 0..n-1; the span of each item's production (perf_counter before, after) appended."""
+    for i in range(n):
+        start = time.perf_counter()
+        sum(range(20_000))  # some work, so the span is not empty
+        spans.append((start, time.perf_counter()))
+        yield i
+
+
 def test_prefetcher_preserves_order_reports_waits_and_ends():
     with Prefetcher(iter(range(10)), depth=3) as pre:
         assert list(pre) == list(range(10))
         assert pre.last_wait_s >= 0.0
     assert list(Prefetcher(iter(range(5)), depth=0)) == list(range(5))
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_prefetcher_wait_is_the_consumers_own_wait(depth):
+    # `last_wait_s` is how long the consumer's next() took: never more than the call itself,
+    # and inline (depth 0) at least the source's work for that item, which runs inside the call.
+    spans = []
+    with Prefetcher(_timed_source(6, spans), depth=depth) as pre:
+        for i in range(6):
+            before = time.perf_counter()
+            assert next(pre) == i
+            call = time.perf_counter() - before
+            assert pre.last_wait_s <= call
+            if depth == 0:
+                made = spans[i][1] - spans[i][0]
+                assert made > 0 and pre.last_wait_s >= made
 
 
 def test_prefetcher_close_stops_a_blocked_producer():

@@ -4,10 +4,12 @@
     dist.all_reduce(grad, group=groups.dp_cp)
     groups.cp_group(4), groups.attention_groups(4)
 
-Groups are created with `use_local_synchronization=True`: only the members meet (group names
-are hashes of the member ranks, so non-members need not call at all), and no group waits for
-the whole world, unlike torch's default `new_group`, which ends each group with a store
-barrier over every rank. Groups are created in one canonical global order (the layout's
+Groups are created with `use_local_synchronization=True`: group names are hashes of the member
+ranks, so non-members need not call at all, where torch's default `new_group` names groups by a
+global counter and needs every rank of the world to call it for every group. (The store
+barrier torch can end each group with, over the whole world by default and over the members
+with local synchronisation, runs only with TORCH_DIST_INIT_BARRIER=1; torch's default is 0, so
+by default neither waits.) Groups are created in one canonical global order (the layout's
 `named_groups`), which is what makes this deadlock-free: the groups of each name partition
 the world, so the lowest-numbered group not yet complete always has all its members working
 on it. Rank lists shared by several names (tp of size 1 and cp of size 1, dp_cp and the
