@@ -24,12 +24,18 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import time
 
-from rich_argparse import RichHelpFormatter
+# A command line imports this module first: its import is (within a fraction of a second) when
+# the process was launched, which is where a job's goodput clock starts. Taken before the
+# imports below, which take a second or more.
+IMPORTED_AT = time.time()
 
-from longrun.cli import checkpoint, config, dashboards, data, doctor, jobs, report, run
-from longrun.cli.common import console, job_errors, shown
-from longrun.config import ConfigError
+from rich_argparse import RichHelpFormatter  # noqa: E402
+
+from longrun.cli import checkpoint, config, dashboards, data, doctor, jobs, report, run  # noqa: E402
+from longrun.cli.common import console, job_errors, shown  # noqa: E402
+from longrun.config import ConfigError  # noqa: E402
 
 FAMILIES = (run, jobs, config, doctor, checkpoint, data, dashboards, report)  # in the order --help lists them
 
@@ -54,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     args = build_parser().parse_args(argv)
+    # Launched: this process's start on a real command line (argv None), the call otherwise.
+    args.launched_at = IMPORTED_AT if argv is None else time.time()
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -29,7 +29,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    launched_at = time.time()  # the job's goodput clock starts here: Redis and Ray start-up count
+    # The job's goodput clock starts at the launch: Redis and Ray start-up count as start-up.
+    launched_at = getattr(args, "launched_at", None) or time.time()
     cfg = load(args)
     from longrun.services.ray_head import embedded_env, new_token
 
