@@ -39,6 +39,7 @@ JOB = {
              "synthetic": {"min_len": 8, "max_len": 256, "mean": 64, "sigma": 1.0}},
     "training": {"steps": 40, "lr": 3e-3, "warmup_steps": 2, "log_every": 10},
     "checkpoint": {"interval_steps": 2},
+    "validation": {"interval_steps": 5, "steps": 1, "held_out": 0.05},  # the loss panel's second query
     "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_min_s": 10,
                # A held rank is judged by the hard ceiling: far beyond how long the queries take.
                "hang_timeout_s": 600,

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
 
 
 def feed(worker: WorkerMetrics, rank: int) -> None:
-    step = SimpleNamespace(step=10, loss=2.5, grad_norm=1.0, lr=1e-3, tokens=4096, tokens_per_s=2048.0,
-                           step_time_s=2.0 + rank, data_wait_s=0.01, mfu=0.35, memory_bytes=2**30)
+    step = SimpleNamespace(step=10, loss=2.5, val_loss=2.7, grad_norm=1.0, lr=1e-3, tokens=4096,
+                           tokens_per_s=2048.0, step_time_s=2.0 + rank, data_wait_s=0.01, mfu=0.35,
+                           memory_bytes=2**30)
     worker.observe_step(step)
     for phase, seconds in (("data", 0.01), ("forward", 0.5), ("backward", 1.0), ("sync", 0.3),
                            ("optimizer", 0.1)):
