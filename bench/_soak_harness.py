@@ -404,9 +404,13 @@ class Soak:
         lost = [o["steps_lost"] for o in outcomes if o["steps_lost"] is not None]
         counts, lost_by_kind = by_kind(outcomes)
         samples = self.probe.samples
-        # A role with no process at a sample (the keepers between a kill and the next attempt)
-        # has no level there: it would pull a quarter's median to 0.
-        rss = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_mb[r] or None) for role in ROLES}
+        # Each role judged by its largest process (a leak grows a process; the number of
+        # processes changes with evictions and replaced nodes, which moves a role's sum). A role
+        # with no process at a sample (the keepers between a kill and the next attempt) has no
+        # level there: it would pull a quarter's median to 0.
+        rss = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_largest_mb.get(r) or None)
+               for role in ROLES}
+        role_sums = {role: flatness(samples, warm_s, lambda s, r=role: s.rss_mb[r] or None) for role in ROLES}
         total_rss = flatness(samples, warm_s, lambda s: sum(s.rss_mb.values()))
         keys = flatness(samples, warm_s, lambda s: s.redis_keys)
         return {
@@ -420,6 +424,7 @@ class Soak:
             "steps_lost_max": max(lost) if lost else None,
             "redis_keys_max": keys["max"], "redis_keys": keys, "redis_restarts": self.redis.restarts,
             "rss_growth_mb": total_rss["growth"], "rss_mb": rss | {"total": total_rss},
+            "rss_role_sums_mb": role_sums,
             "controller_loaded_torch": any(s.controller_torch for s in samples),
             "runs": len(self.runner.launches), "exit_codes": self.runner.exits, "notes": self.notes,
         }

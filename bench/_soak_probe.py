@@ -70,10 +70,13 @@ def spare_workers() -> list[psutil.Process]:
 @dataclass
 class Sample:
     at: float  # seconds since the soak started
-    rss_mb: dict[str, float]
+    rss_mb: dict[str, float]  # each role's processes together
     redis_keys: int | None
     state: str | None  # the job's, when sampled (None: Redis down)
     controller_torch: bool = False  # torch's library is mapped into the controller (it never should be)
+    # Each role's largest process: what a leak shows in. The roles' process counts change (a lost
+    # node's replacement gets a keeper, an eviction leaves one), which moves the sums, not this.
+    rss_largest_mb: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,15 +109,17 @@ class Probe:
             self.samples.append(self.sample())
 
     def sample(self) -> Sample:
-        rss = dict.fromkeys(ROLES, 0.0)
+        rss, largest = dict.fromkeys(ROLES, 0.0), dict.fromkeys(ROLES, 0.0)
         for proc in psutil.Process(os.getpid()).children(recursive=True):
             role = role_of(proc, self.controller_pid)
             if role is not None:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    rss[role] += proc.memory_info().rss / 2**20
+                    mb = proc.memory_info().rss / 2**20
+                    rss[role] += mb
+                    largest[role] = max(largest[role], mb)
         record = read_record(self.redis_url, self.job) if self.job else None
         return Sample(time.monotonic() - self.started, rss, redis_keys(self.redis_url),
-                      (record or {}).get("state"), torch_loaded(self.controller_pid))
+                      (record or {}).get("state"), torch_loaded(self.controller_pid), largest)
 
 
 def torch_loaded(pid: int | None) -> bool:

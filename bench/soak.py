@@ -46,7 +46,8 @@ wall clock, which includes reruns) beside `goodput_ledger` (the job's own), its 
 injected and survived by kind, steps lost per fault and by kind (the ledger's, through the
 record's declared faults, and the soak's own count beside it), whether each corrupted
 checkpoint was detected, Redis keys and RSS by role after warm-up (first and last quarter
-medians), and the issue's targets met or not.
+medians; a role judged by its largest process, since evictions and replaced nodes change how
+many it has), and the issue's targets met or not.
 Progress goes to stderr; the last line on stdout is one JSON object.
 """
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import signal
 import threading
@@ -280,6 +281,64 @@ def test_chunks_of_many_ranks_stream_to_threaded_keepers_and_back(cluster):
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def test_a_killed_keeper_is_left_out_and_the_snapshots_go_on_to_the_other(cluster):
+    """Issue 41's soak: a keeper SIGKILLed mid-attempt made every later send fail (one of its two
+    keepers raised), so no snapshot landed until the attempt ended. Now the dead keeper is left
+    out: each send is whole on the live one, and only when both are gone does a send fail."""
+    from longrun.checkpoint.memory import MemorySnapshots
+    from longrun.worker.snapshot_transfer import fetch_snapshot, snapshot_sender
+
+    keeper = ray.remote(num_cpus=0, max_restarts=0)(SnapshotKeeper)
+    names = ["mem-dead-a", "mem-dead-b"]
+    actors = [keeper.options(name=n).remote() for n in names]
+    ray.get([a.holdings.remote() for a in actors])
+    weights = torch.arange(100_000, dtype=torch.float32)
+    try:
+        snaps = MemorySnapshots(snapshot_sender(0, names, timeout_s=60), every=1, chunk_bytes=64 << 10)
+        for step in (1, 2, 3):
+            if step == 2:
+                ray.kill(actors[0], no_restart=True)  # between two sends: the next meets it dead
+            trainer = SimpleNamespace(step=step, state_dict=lambda s=step: {
+                "step": s, "model": {"w": weights + s}, "optimizer": {}})
+            assert snaps.take(trainer)
+            snaps.wait()
+            assert snaps.sent_step == step and snaps.failed == 0, step
+        assert ray.get(actors[1].holdings.remote()) == {0: [2, 3]}
+        got, problems = fetch_snapshot(0, 3, {"0": names})
+        assert torch.equal(got["state"]["model"]["w"], weights + 3), problems
+        ray.kill(actors[1], no_restart=True)
+        assert snaps.take(SimpleNamespace(step=4, state_dict=lambda: {"step": 4, "model": {"w": weights}}))
+        snaps.wait()
+        assert snaps.failed == 1 and snaps.sent_step == 3  # no keeper left: that snapshot is lost
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_the_next_attempt_sends_to_a_new_keeper_where_one_was_killed(cluster, tmp_path):
+    """Issue 41's soak: the keepers were ensured before the plan found the dead ones, so a killed
+    keeper was never replaced and the next attempt's ranks could not reach it (snapshots off for
+    the whole attempt). Every target the next attempt gets must answer."""
+    from longrun.controller.workers import RayLauncher
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))[:2]
+    cfg = job("mem-new-keeper", tmp_path)
+    launcher = SimpleNamespace(placement=SimpleNamespace(node_ids=nodes), keepers=None)
+    try:
+        first = RayLauncher._snapshot_plans(launcher, cfg, None)
+        victim = ray.get_actor(keeper_name(cfg.job.name, nodes[0]))
+        pid = ray.get(victim.__ray_call__.remote(lambda keeper: os.getpid()))
+        os.kill(pid, signal.SIGKILL)  # as the soak's keeper_kill does
+        psutil.Process(pid).wait(timeout=60)
+        second = RayLauncher._snapshot_plans(launcher, cfg, None)
+        assert [p["targets"] for p in second] == [p["targets"] for p in first]
+        for name in {t for p in second for t in p["targets"]}:
+            assert ray.get(ray.get_actor(name).holdings.remote(), timeout=30) == {}, name
+    finally:
+        if launcher.keepers is not None:
+            launcher.keepers.close()
 
 
 def test_a_snapshot_is_verified():

@@ -380,12 +380,6 @@ class RayLauncher:
         nodes = self.placement.node_ids
         if self.keepers is None:
             self.keepers = Keepers(cfg.job.name)
-        # A shortcut: never a reason to fail. A keeper that did not start costs its node's
-        # snapshots, not the restore the others hold.
-        try:
-            self.keepers.ensure(nodes)
-        except (RayError, ray.exceptions.GetTimeoutError) as exc:
-            log.warning("a snapshot keeper did not start (%s); its ranks' snapshots are off", exc)
         stored = newest_committed_step(cfg, before_step=resume_before_step)
         if self.keepers.layout not in (None, layout_key(cfg)):
             # A resize: the old layout's snapshots fit none of the new ranks, so the newest one
@@ -401,6 +395,14 @@ class RayLauncher:
         except (RayError, ray.exceptions.GetTimeoutError) as exc:
             log.warning("memory snapshots off for this attempt: the keepers did not answer (%s)", exc)
             return [None] * cfg.world_size
+        # After plan and drop_after, which forget the keepers that died (killed, or lost with
+        # their node): a live keeper on every node of this attempt, a new one where the old went,
+        # before any rank looks its keepers up. A shortcut, never a reason to fail: a keeper that
+        # did not start leaves its ranks sending to their other one.
+        try:
+            self.keepers.ensure(nodes)
+        except (RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("a snapshot keeper did not start (%s); its ranks send to their other keeper", exc)
         return [{"targets": keeper_targets(nodes, rank, cfg.cluster.workers_per_node, cfg.job.name),
                  "restore": restore.to_dict() if restore else None} for rank in range(cfg.world_size)]
 

@@ -7,7 +7,9 @@ A send puts one chunk (the digest's chunk size, `checkpoint/snapshot_blob.py`) i
 store and hands it to both keepers, with at most `WINDOW` chunks in flight: the object store
 holds a few chunks of a snapshot at a time, never a second whole copy, and the keepers copy each
 chunk into place as it lands. A keeper that takes no chunk for `timeout_s` fails the send
-(`SendTimeout`): the snapshot is lost, training is not held (`checkpoint/memory.py`).
+(`SendTimeout`): the snapshot is lost, training is not held (`checkpoint/memory.py`). A keeper
+that dies is left out and the send goes on to the others, so one lost keeper costs neither this
+snapshot nor the rest of the attempt's.
 
 A fetch reads a blob back the same way, checking each chunk's xxh3 as it lands, from the first
 keeper that holds a good copy (this node's, then the peer's); `fetch_snapshot` fetches a
@@ -17,13 +19,17 @@ rank's own blob and, where its shard's bytes are divided among replicas, each re
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from typing import Any
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError
 
 from longrun.checkpoint.snapshot_blob import Blob, SnapshotError, check_chunk, chunk_digests, read_parts
+
+log = logging.getLogger(__name__)
 
 WINDOW = 4  # chunks in flight per send or fetch
 FETCH_TIMEOUT_S = 120.0
@@ -33,25 +39,45 @@ class SendTimeout(RuntimeError):
     """A keeper did not take a snapshot's chunk in time (the snapshot is dropped)."""
 
 
+class KeepersGone(RuntimeError):
+    """Every keeper a rank sends to is gone: its snapshots are off until the next attempt."""
+
+
 class SnapshotUnavailable(RuntimeError):
     """No keeper has a good copy of some rank's snapshot."""
 
 
 def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = None):
     """send(step, blob, digest) to the keepers named `targets`; raises SendTimeout when they take
-    no chunk within `timeout_s` (a slow keeper never holds the sender for long)."""
-    keepers = [ray.get_actor(name) for name in targets]
+    no chunk within `timeout_s` (a slow keeper never holds the sender for long).
+
+    A keeper that is gone (killed, or lost with its node) is left out, from the chunk where its
+    death shows until the attempt ends: the others still get every chunk, so the snapshot is
+    whole on them and a later restore finds it there. Only when none is left does a send fail
+    (`KeepersGone`), and a rank whose keepers cannot all be found sends to those that can; the
+    next attempt's keepers are started afresh by the controller (controller/keepers.py)."""
+    keepers: dict[str, Any] = {}
+    for name in targets:
+        try:
+            keepers[name] = ray.get_actor(name)
+        except ValueError as exc:  # Ray's word for a named actor it cannot find
+            log.warning("snapshot keeper %s not found (%s); rank %d sends to the others", name, exc, rank)
+    if not keepers:
+        raise ValueError(f"none of rank {rank}'s snapshot keepers ({', '.join(targets)}) could be found")
 
     def send(step: int, blob: Blob, digest: str) -> None:
+        if not keepers:
+            raise KeepersGone(f"every snapshot keeper of rank {rank} is gone ({', '.join(targets)})")
         data = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
         size = chunk_digests(digest)[0] or max(data.size, 1)
-        pending: list[Any] = []
+        pending: dict[Any, str] = {}  # a chunk's put -> the keeper it goes to
         try:
             for offset in range(0, data.size, size):
-                ref = ray.put(data[offset:offset + size])  # one copy in the object store, read by both
-                pending += [k.put_chunk.remote(rank, step, offset, ref, data.size, digest) for k in keepers]
-                pending = _settle(pending, WINDOW * len(keepers), timeout_s)
-            _settle(pending, 0, timeout_s)
+                ref = ray.put(data[offset:offset + size])  # one copy in the object store, read by all
+                for name, keeper in list(keepers.items()):
+                    pending[keeper.put_chunk.remote(rank, step, offset, ref, data.size, digest)] = name
+                _settle(pending, keepers, WINDOW * len(keepers), timeout_s, rank)
+            _settle(pending, keepers, 0, timeout_s, rank)
         except SendTimeout:
             for put in pending:  # not waited on any more; a late chunk is ignored by its keeper
                 with contextlib.suppress(Exception):  # already running: it may still land
@@ -60,14 +86,28 @@ def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = Non
     return send
 
 
-def _settle(pending: list[Any], keep: int, timeout_s: float | None) -> list[Any]:
-    """Wait until at most `keep` of `pending` are unfinished (a keeper's error raised); those."""
+def _settle(pending: dict[Any, str], keepers: dict[str, Any], keep: int, timeout_s: float | None,
+            rank: int) -> None:
+    """Wait until at most `keep` of `pending` are unfinished; a keeper's error is raised, except
+    its death, which leaves it out of `keepers` (and its chunks out of `pending`)."""
     while len(pending) > keep:
-        done, pending = ray.wait(pending, num_returns=len(pending) - keep, timeout=timeout_s)
+        done, _ = ray.wait(list(pending), num_returns=len(pending) - keep, timeout=timeout_s)
         if not done:
             raise SendTimeout(f"the keepers took no chunk within {timeout_s:g} s")
-        ray.get(done)
-    return pending
+        for ref in done:
+            name = pending.pop(ref, None)
+            if name is None:  # a chunk of a keeper left out since ray.wait returned
+                continue
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                if keepers.pop(name, None) is not None:
+                    log.warning("snapshot keeper %s is gone (%s); rank %d sends to %s from now on", name,
+                                type(exc).__name__, rank, ", ".join(keepers) or "none")
+                for other in [r for r, n in pending.items() if n == name]:
+                    del pending[other]
+        if not keepers:
+            raise KeepersGone(f"every snapshot keeper of rank {rank} is gone")
 
 
 def fetch_blob(rank: int, step: int, names: list[str]) -> tuple[tuple[np.ndarray, str] | None, list[str]]:
