@@ -46,8 +46,11 @@ EXIT_PREEMPTED = 75
 STARTUP_EST_S = 40.0  # `longrun run` to the first step on this machine (torch, Ray, placement)
 # What a fault costs here; half is counted, so the job runs a little long rather than short.
 FAULT_COST_EST_S = 12.0
-COMPUTE_EST_S_PER_MB = 0.001  # the model's step on top of the pacing, per MB of state (2 cores; low, so
-# the job outlasts its faults rather than ending before the last)
+# The model's step on top of the pacing, per MB of state: measured at 512 MB on the 2-core machine
+# (2026-11-29: about 5 s a paced step with a snapshot sent every step, the update, the save every 10
+# steps and three keepers all sharing the cores); a little low, so the job outlasts its faults
+# rather than ending before the last.
+COMPUTE_EST_S_PER_MB = 0.0075
 # The default state: each rank's half sent to the keepers at the 0.18-0.36 GB/s of bench/lose_no_step.py's
 # 3 GB run (a snapshot every 2 steps of 8.4 s) takes half a paced step or more.
 STATE_MB = 512.0

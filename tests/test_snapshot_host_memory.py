@@ -111,3 +111,48 @@ def test_a_send_gives_up_on_keepers_that_take_no_chunk(monkeypatch):
     with pytest.raises(transfer.SendTimeout, match=r"1\.5 s"):
         send(1, blob, chunk_digest(blob, chunk_bytes=64))  # 16 chunks: the window fills first
     assert waits == [1.5] and len(cancelled) == 2 * (transfer.WINDOW + 1)
+
+
+def test_a_send_is_sized_to_its_nodes_object_store():
+    """The hour soak at 512 MB: 64 MiB chunks, four in flight to each of two keepers, filled a
+    test node's 150 MiB object store; it spilled to disk while the put that filled it waited, and
+    ranks went silent long enough to be declared dead. Chunks and window now fit the store."""
+    from longrun.checkpoint.snapshot_blob import CHUNK_BYTES
+    from longrun.worker.snapshot_transfer import STORE_SHARE, WINDOW, transfer_sizes
+
+    assert transfer_sizes(None) == (CHUNK_BYTES, WINDOW)  # not known: the largest
+    assert transfer_sizes(64 << 30) == (CHUNK_BYTES, WINDOW)  # a real node's store: the largest
+    for store in (150 << 20, 1 << 30, 40 << 20):
+        chunk, window = transfer_sizes(store)
+        assert chunk % (1 << 20) == 0 and 1 <= window <= WINDOW
+        assert chunk * window <= store * STORE_SHARE, store
+
+
+def test_a_send_keeps_no_more_than_its_window_in_flight(monkeypatch):
+    from longrun.checkpoint.snapshot_blob import chunk_digest
+    from longrun.worker import snapshot_transfer as transfer
+
+    in_flight, most = set(), [0]
+
+    class Keeper:
+        @staticmethod
+        def _put(*args):
+            ref = object()
+            in_flight.add(ref)
+            most[0] = max(most[0], len(in_flight))
+            return ref
+        put_chunk = SimpleNamespace(remote=_put)
+
+    def wait(refs, num_returns, timeout=None):
+        done = refs[:num_returns]  # the oldest finish first
+        in_flight.difference_update(done)
+        return done, refs[num_returns:]
+
+    monkeypatch.setattr(transfer.ray, "get_actor", lambda name: Keeper())
+    monkeypatch.setattr(transfer.ray, "put", lambda chunk: object())
+    monkeypatch.setattr(transfer.ray, "wait", wait)
+    monkeypatch.setattr(transfer.ray, "get", lambda ref: None)
+    send = transfer.snapshot_sender(0, ["a", "b"], timeout_s=5, window=2)
+    blob = bytes(range(256)) * 4
+    send(1, blob, chunk_digest(blob, chunk_bytes=64))  # 16 chunks to two keepers
+    assert not in_flight and most[0] == 2 * (2 + 1)  # the window, plus the chunk just handed out

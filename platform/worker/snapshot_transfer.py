@@ -27,11 +27,22 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from longrun.checkpoint.snapshot_blob import Blob, SnapshotError, check_chunk, chunk_digests, read_parts
+from longrun.checkpoint.snapshot_blob import (
+    CHUNK_BYTES,
+    Blob,
+    SnapshotError,
+    check_chunk,
+    chunk_digests,
+    read_parts,
+)
 
 log = logging.getLogger(__name__)
 
-WINDOW = 4  # chunks in flight per send or fetch
+WINDOW = 4  # chunks in flight per send or fetch, at most
+# A send keeps at most this share of its node's Ray object store in flight: a keeper's node also
+# takes chunks from the ranks of the node before it, and a store past 80% spills to disk while
+# the put that filled it waits. Ray's test clusters give a node 150 MiB; a real one, 30% of RAM.
+STORE_SHARE = 1 / 8
 FETCH_TIMEOUT_S = 120.0
 
 
@@ -47,7 +58,30 @@ class SnapshotUnavailable(RuntimeError):
     """No keeper has a good copy of some rank's snapshot."""
 
 
-def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = None):
+def transfer_sizes(store_bytes: int | None) -> tuple[int, int]:
+    """(bytes per chunk, chunks in flight) for sends through a node whose Ray object store holds
+    `store_bytes` (None: not known, the largest): at most STORE_SHARE of the store in flight,
+    in whole MiB chunks of at most CHUNK_BYTES."""
+    if not store_bytes:
+        return CHUNK_BYTES, WINDOW
+    budget = int(store_bytes * STORE_SHARE)
+    chunk = min(CHUNK_BYTES, max(1 << 20, (budget // WINDOW) >> 20 << 20))
+    return chunk, max(1, min(WINDOW, budget // chunk))
+
+
+def node_object_store_bytes() -> int | None:
+    """The capacity of this process's node's Ray object store (None when Ray does not say)."""
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        for info in ray.nodes():
+            if info.get("NodeID") == node:
+                return int(info.get("Resources", {}).get("object_store_memory", 0)) or None
+    except Exception:  # sizes are a tuning: an unanswered question leaves the defaults
+        log.debug("the node's object store size is unknown", exc_info=True)
+    return None
+
+
+def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = None, window: int = WINDOW):
     """send(step, blob, digest) to the keepers named `targets`; raises SendTimeout when they take
     no chunk within `timeout_s` (a slow keeper never holds the sender for long).
 
@@ -76,7 +110,7 @@ def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = Non
                 ref = ray.put(data[offset:offset + size])  # one copy in the object store, read by all
                 for name, keeper in list(keepers.items()):
                     pending[keeper.put_chunk.remote(rank, step, offset, ref, data.size, digest)] = name
-                _settle(pending, keepers, WINDOW * len(keepers), timeout_s, rank)
+                _settle(pending, keepers, window * len(keepers), timeout_s, rank)
             _settle(pending, keepers, 0, timeout_s, rank)
         except SendTimeout:
             for put in pending:  # not waited on any more; a late chunk is ignored by its keeper

@@ -35,7 +35,14 @@ from longrun.checkpoint.restore import all_ranks_ok
 from longrun.checkpoint.sharding import globalize
 from longrun.config import JobConfig
 from longrun.trainer.optim import lay_out_state
-from longrun.worker.snapshot_transfer import SendTimeout, SnapshotUnavailable, fetch_snapshot, snapshot_sender
+from longrun.worker.snapshot_transfer import (
+    SendTimeout,
+    SnapshotUnavailable,
+    fetch_snapshot,
+    node_object_store_bytes,
+    snapshot_sender,
+    transfer_sizes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +81,11 @@ def memory_snapshots(cfg: JobConfig, rank: int, plan: dict[str, Any], groups=Non
     whose keepers cannot be found still takes part in the agreement, which turns snapshots off
     for all (a restore needs every rank's). `on_drop(step, why)`: each snapshot skipped or
     lost; `on_interval(k)`: each interval chosen."""
+    # Chunks and how many are in flight sized to this node's object store, which a send must
+    # never fill (a full store spills to disk and holds the put that filled it).
+    chunk_bytes, window = transfer_sizes(node_object_store_bytes())
     try:
-        send = snapshot_sender(rank, plan["targets"], timeout_s=snapshot_timeout_s(cfg))
+        send = snapshot_sender(rank, plan["targets"], timeout_s=snapshot_timeout_s(cfg), window=window)
     except ValueError as exc:  # Ray's word for a named actor it cannot find
         log.warning("memory snapshots off: rank %d cannot reach its keepers (%s)", rank, exc)
         send = None
@@ -85,7 +95,7 @@ def memory_snapshots(cfg: JobConfig, rank: int, plan: dict[str, Any], groups=Non
     return MemorySnapshots(send, None if every in (None, "auto") else every,
                            part=snapshot_part(rank, groups.ranks["replicate"] if groups else None),
                            host_budget_bytes=budget, agree=job_max(groups.world) if groups else None,
-                           on_drop=on_drop, on_interval=on_interval)
+                           on_drop=on_drop, on_interval=on_interval, chunk_bytes=chunk_bytes)
 
 
 def restore_from_memory(trainer, rank: int, restore: dict[str, Any],
