@@ -70,6 +70,43 @@ def test_the_resharding_bench_saves_at_fsdp4_and_restores_at_fsdp2():
     assert all(0 < read < 0.75 * result["longrun_bytes"] for read in result["bytes_read_per_rank"])
 
 
+def test_the_checkpoint_bench_times_the_copy_behind_a_real_step_and_reports_its_memory():
+    # bench/checkpoint.py on a tiny model, two reps: every method saves and restores (each
+    # restore checked against the weights the save held, though a step changed them since), and
+    # longrun's and DCP's asynchronous staging each count the next update's wait for the copy.
+    out = _run("--dim", "256", "--layers", "2", "--reps", "2", script="checkpoint.py")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    methods = result["methods"]
+    assert set(methods) == {"longrun", "sync", "dcp", "dcp_cached", "dcp_async_staging", "memcpy", "disk"}
+    assert all(len(times) == 2 for times in result["raw_blocking_s"].values())
+    # Blocking is save()'s return plus the update's wait, from the same reps (each rounded to 0.1 ms).
+    assert result["blocking_s"] == pytest.approx(result["save_return_s"] + result["update_wait_s"], abs=2e-4)
+    for name in ("longrun", "dcp_async_staging"):
+        row = methods[name]
+        assert row["blocking_s"] == pytest.approx(row["save_return_s"] + row["update_wait_s"], abs=2e-4)
+        assert row["update_wait_s"] >= 0 and row["step_s"] > 0 and row["e2e_s"] > 0 and row["restore_s"] > 0
+    assert result["step_s"] == methods["longrun"]["step_s"] and result["step_alone_s"] > 0
+    assert result["dcp_async_staging_blocking_s"] == methods["dcp_async_staging"]["blocking_s"]
+    # The headline blocking is against the fastest DCP variant, each with its copy's whole cost.
+    dcps = ("dcp", "dcp_cached", "dcp_async_staging")
+    assert result["blocking_dcp_best"] in dcps
+    assert methods[result["blocking_dcp_best"]]["blocking_s"] == min(methods[m]["blocking_s"] for m in dcps)
+    # The disk floor read twice, cold: into touched buffers and into fresh memory; both ratios kept.
+    assert methods["disk"]["restore_fresh_s"] == result["disk_read_fresh_s"] > 0
+    for ratio, floor in (("restore_vs_disk", "disk_read_s"), ("restore_vs_disk_fresh", "disk_read_fresh_s")):
+        expected = result["restore_s"] / result[floor]
+        # (to within what rounding the times to 0.1 ms and the ratio to 1e-4 allows)
+        rounding = expected * (5e-5 / result["restore_s"] + 5e-5 / result[floor]) + 5e-5
+        assert result[ratio] == pytest.approx(expected, abs=rounding), ratio
+    for key in ("state_gb", "blocking_vs_sync", "e2e_vs_dcp", "restore_vs_dcp_load", "e2e_vs_disk"):
+        assert result[key] > 0, key  # the issue's headline keys stay
+    # Peak memory: the process's own, at least what it held before building the state plus the state.
+    assert result["peak_rss_bytes"] >= result["baseline_rss_bytes"] + result["state_bytes"]
+    assert result["peak_rss_vs_state"] == pytest.approx(result["peak_rss_bytes"] / result["state_bytes"],
+                                                        rel=1e-3)
+
+
 def test_the_goodput_model_scales_the_llama3_failure_rate_and_cites_its_inputs():
     # bench/goodput_model.py is arithmetic: run it as shipped and with the failure rate doubled.
     out = _run(script="goodput_model.py")
