@@ -52,10 +52,13 @@ def cli(capsys, monkeypatch):
 # `scripts/test` runs the suite in two phases. First the modules below, spread over two
 # pytest-xdist workers: they run gloo worlds (rendezvous through a file, no port), their own
 # embedded Redis on a free port, or nothing but this process, so two of them may share the
-# machine. Then every other module, marked `alone`, one at a time with nothing beside it: they
-# start Ray (whose defaults are machine-wide: the dashboard's port 8265, the address file a bare
-# `ray.init()` attaches to), network namespaces, or time heartbeats, hangs and restarts against
-# the machine's load, which a neighbour would skew. A new module is `alone` until it is listed here.
+# machine. Then every other module, marked `alone`: they start Ray (whose defaults are
+# machine-wide: the dashboard's port 8265, the address file a bare `ray.init()` attaches to
+# under the Ray directory), network namespaces, or time heartbeats, hangs and restarts. They run
+# on two workers that share nothing but the CPUs (each in a network namespace and a Ray
+# directory of its own: scripts/netns-python), every test of a module on the same worker; their
+# timeouts and deadlines wait for events and allow for a neighbour's load. A new module is
+# `alone` until it is listed here.
 PARALLEL_MODULES = frozenset({
     "test_checkpoint", "test_checkpoint_cli", "test_checkpoint_layout", "test_ckpt_coverage",
     "test_ckpt_device", "test_ckpt_lineage", "test_ckpt_skipped_steps", "test_commgroup_init",
@@ -72,7 +75,22 @@ PARALLEL_MODULES = frozenset({
 })
 
 
+# The longest modules first (seconds, one at a time, on the 2-core machine): two workers fed in
+# collection order end together only when the long ones do not come last.
+LONGEST_FIRST = (
+    "test_controller_recovery", "test_memory_snapshots", "test_soak", "test_preemption_run",
+    "test_many_hosts", "test_pipeline_job", "test_elastic_run", "test_submit", "test_observability_job",
+    "test_checkpoint", "test_resharding", "test_pipeline", "test_reshard_resume",
+    "test_hostile_checkpoint_dir",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    def module(item) -> str:
+        return item.module.__name__.rpartition(".")[2]
+
     for item in items:
-        if item.module.__name__.rpartition(".")[2] not in PARALLEL_MODULES:
+        if module(item) not in PARALLEL_MODULES:
             item.add_marker(pytest.mark.alone)
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(module(item), len(first)))  # stable: the rest keep their order
