@@ -26,6 +26,11 @@ INTERVAL_STEPS = 10  # a storage checkpoint every 10 steps; memory snapshots eve
 KEEP_LAST = 3
 MAX_ATTEMPTS = 200  # pacing is listed for this many attempts (attempts count on across reruns)
 DIM, LAYERS, VOCAB = 128, 2, 260
+# The learned hang timeout's floor. A frozen worker is found by its heartbeats (3 s), not by
+# this; what this guards is a live rank's step, which on 2 cores shared with a save's writer
+# threads, a snapshot's send and three keepers ran to 6-8 s at 512 MB (the default 10 s floor
+# sits at the edge of that; 5 s, the soak's old value, declared healthy ranks hung).
+HANG_MIN_S = 20.0
 BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's exp_avg and exp_avg_sq
 
 
@@ -80,7 +85,7 @@ def soak_job(out: Path, steps: int, *, ray_address: str, redis_url: str, checkpo
         # A tiny job's sub-second steps allow a fast heartbeat (as bench/recovery.py's).
         # A dead controller's lease outlives it by store_patience_s + 10 s before its rerun may
         # take the job over: 15 s rides out the soak's Redis outages (2-6 s) and keeps the wait short.
-        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_min_s": 5.0,
+        "health": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0, "hang_min_s": HANG_MIN_S,
                    "store_patience_s": 15.0, "faults": pacing},
         # An hour with a fault every 2 minutes is 30 restarts: a budget for a long job, not a
         # test's. The grace bounds the save a SIGTERM asks for.

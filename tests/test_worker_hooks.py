@@ -110,6 +110,53 @@ def test_a_blocking_save_longer_than_the_learned_timeout_is_not_a_hang(redis_cli
         metrics.close()
 
 
+class DeferredCopy:
+    """A checkpointer whose save returned at once and whose copy, overlapping the next step, the
+    update waits for until the test releases it (the CPU path since issue 39)."""
+
+    def __init__(self):
+        self.copying = True
+        self.waiting, self.release = threading.Event(), threading.Event()
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def before_update(self) -> None:
+        self.waiting.set()
+        assert self.release.wait(timeout=60), "the test never released the copy"
+        self.copying = False
+
+
+def test_the_update_waiting_for_a_saves_copy_is_in_the_checkpoint_phase(redis_client):
+    """The hour soak at 512 MB: a save's copy ran beside the next step on 2 busy cores and the
+    update waited for it longer than the learned hang timeout, in phase 'optimizer', where it
+    was declared a hang. The wait is the save's: the heartbeat says 'checkpoint' while it lasts
+    (judged by the ceiling), then the update goes on in 'optimizer'."""
+    beat = HeartbeatPublisher(redis_client, "hooks", 0, 0, HEALTH.heartbeat_interval_s,
+                              HEALTH.heartbeat_timeout_s).start()
+    metrics = WorkerMetrics("hooks", 0)
+    copy = DeferredCopy()
+    hooks = StepHooks(beat, metrics, checkpointer=copy)
+    hooks.trainer = NoTrainer()
+    try:
+        hooks.phase(Phase.OPTIMIZER)  # the trainer enters the update, then calls before_update
+        updating = threading.Thread(target=hooks.before_update)
+        updating.start()
+        assert copy.waiting.wait(timeout=30)
+        assert wait_for_phase(redis_client, Phase.CHECKPOINT)[0].phase == Phase.CHECKPOINT
+        copy.release.set()
+        updating.join(timeout=30)
+        assert not updating.is_alive()
+        beat.publish_now()
+        assert read_heartbeats(redis_client, "hooks", 0, range(1))[0].phase == Phase.OPTIMIZER
+        hooks.before_update()  # nothing copying: the phase is left alone
+        assert hooks._phase == Phase.OPTIMIZER
+    finally:
+        copy.release.set()
+        beat.stop()
+        metrics.close()
+
+
 def test_the_first_step_publishes_the_state_each_rank_holds_under_its_layout(redis_client):
     beat = HeartbeatPublisher(redis_client, "hooks-state", 0, 0, HEALTH.heartbeat_interval_s,
                               HEALTH.heartbeat_timeout_s).start()

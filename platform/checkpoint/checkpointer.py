@@ -132,6 +132,11 @@ class Checkpointer:
         files.update(structure_files(state, rank=self.rank, stage=self.stage, leads_stage=self.leads_stage))
         return files
 
+    @property
+    def copying(self) -> bool:
+        """A save's copy of the weights may still be running (before_update waits for it)."""
+        return self._pending is not None
+
     def before_update(self) -> None:
         """Call right before the optimizer changes the weights: a snapshot still copying (on a
         GPU's side stream, or in the writer's thread on the CPU) must finish first."""

@@ -201,6 +201,11 @@ class MemorySnapshots:
             except Exception:  # a metrics hook must not stop training
                 log.exception("memory snapshot on_drop hook failed")
 
+    @property
+    def copying(self) -> bool:
+        """A snapshot's host copy may still be running (before_update waits for it)."""
+        return self._pending is not None
+
     def before_update(self) -> None:
         """Call right before the optimizer changes the weights: a copy still running (the send
         thread's on the CPU, a side stream's on a GPU) finishes first."""

@@ -9,7 +9,10 @@ everything around it, in the order it happens:
 
     phase(name)        each part of the step: into the heartbeat (a hang report says where the
                        rank was) and, when it ends, into the phase histogram
-    before_update()    a checkpoint copy still in flight finishes before the weights change
+    before_update()    a checkpoint's or snapshot's copy still in flight finishes before the
+                       weights change (in phase "checkpoint" while it does: the copy is the
+                       save's, and on a busy host it can outlast the step times the learned
+                       hang timeout is made of)
     after_step(m)      metrics (after the first step also the training state this rank holds,
                        by kind and layout), heartbeat progress, a checkpoint when one is due (in phase
                        "checkpoint", so a long blocking save is judged by the hard ceiling, not
@@ -85,10 +88,15 @@ class StepHooks:
         self.beat.update(phase=name)
 
     def before_update(self) -> None:
+        copying = any(getattr(c, "copying", False) for c in (self.checkpointer, self.snapshots))
+        if copying:
+            self.phase(Phase.CHECKPOINT)  # judged by the hang ceiling, as the save itself is
         if self.checkpointer is not None:
             self._blocked["checkpoint_s"] += _timed(self.checkpointer.before_update)
         if self.snapshots is not None:
             self._blocked["snapshot_s"] += _timed(self.snapshots.before_update)
+        if copying:
+            self.phase(Phase.OPTIMIZER)
 
     def after_step(self, m: StepMetrics) -> None:
         first = self.last is None
