@@ -72,11 +72,13 @@ Ratios (seconds, ours over theirs; the last JSON line): `blocking_vs_sync`; `blo
 (the headline: against the DCP variant with the least blocking, named in `blocking_dcp_best`),
 with `_fresh`, `_cached` and `_async_staging` against each; `e2e_vs_dcp` (the headline: DCP with
 its stager reused, as documented for repeated saves; `_fresh`, `_async_staging` beside it),
-`restore_vs_dcp_load` (the headline restore), `restore_vs_torch_load`, `blocking_vs_memcpy`,
+`restore_vs_dcp_load` (the headline restore), `restore_vs_torch_load`, `blocking_vs_memcpy` and
+`stage_vs_memcpy` (longrun's copy itself, timed alone, against the floor),
 `e2e_vs_disk`, `restore_vs_disk` and `restore_vs_disk_fresh` (against each read floor above);
 `methods` holds every method's medians. Targets (issue 39, state >= 4 GB): blocking <= 0.10 of
 sync; end-to-end and cold restore no slower than DCP's, and each within 1.5x of the disk floor;
-and the floor below longrun (`blocking_vs_memcpy` >= 1).
+and the floor below longrun's copy (`stage_vs_memcpy` >= 1; its blocking is below the floor
+since the copy overlaps the next step).
 On a GPU (`--device cuda`, or auto) the state lives on the device and every copy is
 device-to-host (longrun and the floor into pinned buffers). Timings on a shared machine are noisy:
 the summary prints the load average; `--threads 1` avoids the intra-op copy threads stalling on
@@ -296,7 +298,8 @@ def report(s: dict[str, Any], breakdown: dict[str, float], nbytes: int, reps: in
     ratios = {"blocking_vs_sync": ours / sync, "blocking_vs_dcp": ours / s[best_dcp]["blocking_s"],
               "blocking_vs_dcp_fresh": ours / dcp, "blocking_vs_dcp_cached": ours / cached,
               "blocking_vs_dcp_async_staging": ours / staged,
-              "blocking_vs_memcpy": ours / floor, "e2e_vs_dcp": e2e / s["dcp_cached"]["e2e_s"],
+              "blocking_vs_memcpy": ours / floor, "stage_vs_memcpy": breakdown["stage_s"] / floor,
+              "e2e_vs_dcp": e2e / s["dcp_cached"]["e2e_s"],
               "e2e_vs_dcp_fresh": e2e / s["dcp"]["e2e_s"],
               "e2e_vs_dcp_async_staging": e2e / s["dcp_async_staging"]["e2e_s"],
               "e2e_vs_disk": e2e / disk_write,
@@ -304,7 +307,9 @@ def report(s: dict[str, Any], breakdown: dict[str, float], nbytes: int, reps: in
               "restore_vs_torch_load": restore / s["sync"]["restore_s"],
               "restore_vs_disk": restore / disk_read, "restore_vs_disk_fresh": restore / disk_fresh}
     targets = {"blocking_vs_sync<=0.10": ratios["blocking_vs_sync"] <= 0.10,
-               "blocking_vs_memcpy>=1": ratios["blocking_vs_memcpy"] >= 1.0,  # a floor is a floor
+               # A floor is a floor: longrun's copy itself (its blocking no longer holds it, the
+               # copy overlapping the next step) takes no less than the bare copy_ of the same bytes.
+               "stage_vs_memcpy>=1": ratios["stage_vs_memcpy"] >= 1.0,
                "e2e_vs_dcp<=1": ratios["e2e_vs_dcp"] <= 1.0, "e2e_vs_disk<=1.5": ratios["e2e_vs_disk"] <= 1.5,
                "restore_vs_dcp_load<=1": ratios["restore_vs_dcp_load"] <= 1.0,
                "restore_vs_disk<=1.5": ratios["restore_vs_disk"] <= 1.5}
