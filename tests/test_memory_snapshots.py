@@ -312,9 +312,59 @@ def test_a_killed_keeper_is_left_out_and_the_snapshots_go_on_to_the_other(cluste
         assert snaps.take(SimpleNamespace(step=4, state_dict=lambda: {"step": 4, "model": {"w": weights}}))
         snaps.wait()
         assert snaps.failed == 1 and snaps.sent_step == 3  # no keeper left: that snapshot is lost
+        # The controller starts a new keeper under the dead one's name (Keepers.revive): the
+        # next send looks it up and reaches it.
+        actors.append(keeper.options(name=names[0]).remote())
+        assert snaps.take(SimpleNamespace(step=5, state_dict=lambda: {"step": 5, "model": {"w": weights}}))
+        snaps.wait()
+        assert snaps.failed == 1 and snaps.sent_step == 5
+        assert ray.get(actors[-1].holdings.remote()) == {0: [5]}
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def test_a_keeper_killed_mid_attempt_is_replaced_by_the_next_look(cluster):
+    """The controller looks at its keepers every few seconds while an attempt runs (never
+    waiting on one): a keeper whose process was SIGKILLed gets a new one under its name on a
+    node Ray still lists, and one on a node Ray lost does not."""
+    from longrun.controller.keepers import Keepers
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))[:2]
+    keepers = Keepers("mem-revive")
+    keepers.ensure(nodes)
+    try:
+        def answered() -> None:  # the pings the last look sent are answered (or failed)
+            ray.wait(list(keepers._pings.values()), num_returns=len(nodes), timeout=60)
+
+        only_first = lambda ask: set(ask) & {nodes[0]}  # noqa: E731  (Ray "lost" the second node)
+        assert keepers.revive(nodes, alive=only_first) == []  # all alive: pinged, nothing else
+        answered()
+        victims = [ray.get_actor(keeper_name("mem-revive", n)) for n in nodes]
+        pids = [ray.get(v.__ray_call__.remote(lambda keeper: os.getpid())) for v in victims]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            psutil.Process(pid).wait(timeout=60)
+        assert keepers.revive(nodes, alive=only_first) == []  # the answers from before the kill
+        answered()
+        # The pings to the dead keepers failed: a new one on the node Ray still lists.
+        assert keepers.revive(nodes, alive=only_first) == [nodes[0]]
+        assert ray.get(ray.get_actor(keeper_name("mem-revive", nodes[0])).holdings.remote(), timeout=60) == {}
+        with pytest.raises(ValueError):
+            ray.get_actor(keeper_name("mem-revive", nodes[1]))
+    finally:
+        keepers.close()
+
+
+def test_the_controller_looks_at_its_keepers_every_few_seconds():
+    from longrun.controller.listeners import KeeperReviver
+
+    now, calls = [100.0], []
+    reviver = KeeperReviver(lambda: calls.append(now[0]), every_s=5.0, clock=lambda: now[0])
+    for t in (100.0, 101.0, 104.9, 105.0, 106.0, 111.0):
+        now[0] = t
+        reviver.heartbeats(None, {}, t)
+    assert calls == [100.0, 105.0, 111.0]
 
 
 def test_the_next_attempt_sends_to_a_new_keeper_where_one_was_killed(cluster, tmp_path):

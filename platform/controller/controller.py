@@ -60,7 +60,7 @@ from longrun.controller.attempt import Attempt
 from longrun.controller.elastic import Sizing, layout_key
 from longrun.controller.job_state import JobRecordStore, job_status
 from longrun.controller.lease import ControllerLease, ControllerRunning, lease_ttl_s
-from longrun.controller.listeners import standard_listeners
+from longrun.controller.listeners import KeeperReviver, standard_listeners
 from longrun.controller.placement import PlacementCancelled, PlacementImpossible, PlacementTimeout
 from longrun.controller.precheck import checkpoint_problem, fence_rollback, sweep_partial_saves
 from longrun.controller.rank_logs import RankLogs
@@ -157,6 +157,9 @@ class Controller:
                                             self.launch.warm_spares, self.goodput, rank_logs.last_lines,
                                             names=self.names)
         self.listeners.listeners.append(rank_logs)
+        revive = getattr(self.launch, "revive_keepers", None)  # launchers without keepers lack it
+        if revive is not None:
+            self.listeners.listeners.append(KeeperReviver(revive))
         # What the user looks at: the progress line, the journal, TensorBoard.
         self.listeners.listeners += user_view_listeners(
             cfg, self.on_event, lambda: self.layout.dims.layout_name, self.goodput)

@@ -33,7 +33,7 @@ once the attempt that might restore from it trains (`Keepers.prune`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,7 @@ class Keepers:
     def __init__(self, job: str):
         self.job = job
         self._actors: dict[str, Any] = {}  # node id -> keeper
+        self._pings: dict[str, Any] = {}  # node id -> a holdings() call sent by the last revive()
         self.layout: Hashable | None = None  # the layout the held snapshots were taken at
         self.layout_cfg: JobConfig | None = None  # its config (what `persist` writes them as)
 
@@ -132,11 +133,12 @@ class Keepers:
         keep = set(nodes)
         for node in [n for n in self._actors if n not in keep]:
             log.info("snapshot keeper on node %s let go: the job no longer uses the node", node[:12])
+            self._pings.pop(node, None)
             ray.kill(self._actors.pop(node), no_restart=True)
 
-    def ensure(self, node_ids: Iterable[str], timeout_s: float = 60.0) -> None:
+    def ensure(self, node_ids: Iterable[str], timeout_s: float | None = 60.0) -> None:
         """A live keeper on each of `node_ids`, ready (its name resolvable) before any worker
-        looks it up."""
+        looks it up; `timeout_s` None: started, not waited for."""
         # Threaded: chunks from every rank sending to it are taken at once (snapshot_keeper.py).
         cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=THREADS)(SnapshotKeeper)
         started = []
@@ -148,7 +150,37 @@ class Keepers:
                     name=keeper_name(self.job, node), get_if_exists=True,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
                 started.append(self._actors[node])
-        ray.get([actor.holdings.remote() for actor in started], timeout=timeout_s)
+        if timeout_s is not None:
+            ray.get([actor.holdings.remote() for actor in started], timeout=timeout_s)
+
+    def revive(self, node_ids: Sequence[str], alive: Callable[[Sequence[str]], set[str]]) -> list[str]:
+        """During an attempt: a new keeper on each of `node_ids` (the attempt's nodes that
+        `alive` says Ray still lists) whose keeper died since the last call (killed, or its
+        process lost); the nodes revived. Never waits: each call collects the answers to the
+        pings the call before sent, and sends new ones. Without this a keeper killed mid-attempt
+        stayed dead until the next attempt, and with both of a rank's keepers gone no snapshot
+        landed in between (the hour soak at 512 MB lost 9 steps to the next SIGKILL so). The
+        ranks look a lost keeper up again by name at each send (worker/snapshot_transfer.py)."""
+        for node, ping in list(self._pings.items()):
+            ready, _ = ray.wait([ping], timeout=0)
+            if not ready:
+                continue  # a busy keeper (taking a snapshot's chunks) answers by the next call
+            del self._pings[node]
+            try:
+                ray.get(ping)
+            except RayError as exc:
+                if node in self._actors:
+                    self._forget(node, exc)
+        missing = [n for n in node_ids if n not in self._actors]
+        revived = sorted(alive(missing)) if missing else []
+        if revived:
+            log.warning("snapshot keeper(s) on node(s) %s gone mid-attempt: starting new ones",
+                        ", ".join(n[:12] for n in revived))
+            self.ensure(revived, timeout_s=None)
+        for node in node_ids:
+            if node in self._actors and node not in self._pings:
+                self._pings[node] = self._actors[node].holdings.remote()
+        return revived
 
     def plan(self, world_size: int, *, newer_than: int, before_step: int | None,
              timeout_s: float = 10.0) -> MemoryRestore | None:
@@ -185,9 +217,11 @@ class Keepers:
 
     def _forget(self, node: str, why: Exception) -> None:
         log.warning("snapshot keeper on node %s is gone (%s)", node[:12], why)
+        self._pings.pop(node, None)
         ray.kill(self._actors.pop(node), no_restart=True)  # a slow one too: its name is free for a new one
 
     def close(self) -> None:
         for actor in self._actors.values():
             ray.kill(actor, no_restart=True)
         self._actors.clear()
+        self._pings.clear()

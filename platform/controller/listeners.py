@@ -16,6 +16,7 @@ audit log) is one more listener, not one more line in every state handler.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -369,6 +370,24 @@ class SpareWarmer(Listener):
 
     def trained(self, attempt: Attempt) -> None:
         self.warm()
+
+
+class KeeperReviver(Listener):
+    """While an attempt runs, the launcher's snapshot keepers are looked at every `every_s` and a
+    dead one replaced (`RayLauncher.revive_keepers`), so a keeper lost mid-attempt costs the
+    snapshots of seconds, not of the rest of the attempt."""
+
+    def __init__(self, revive: Callable[[], None], every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.revive, self.every_s, self.clock = revive, every_s, clock
+        self._last: float | None = None
+
+    def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every_s:
+            return
+        self._last = now
+        self.revive()
 
 
 class GoodputListener(Listener):

@@ -406,6 +406,20 @@ class RayLauncher:
         return [{"targets": keeper_targets(nodes, rank, cfg.cluster.workers_per_node, cfg.job.name),
                  "restore": restore.to_dict() if restore else None} for rank in range(cfg.world_size)]
 
+    def revive_keepers(self) -> None:
+        """While the attempt runs (the controller asks every few seconds): a new snapshot keeper
+        where one of its nodes' keepers died (`Keepers.revive`; never waits). A shortcut: what
+        goes wrong here is logged, never raised."""
+        cfg = self._cfg
+        if self.keepers is None or self.placement is None or cfg is None:
+            return
+        if not cfg.checkpoint.memory_interval_steps:
+            return
+        try:
+            self.keepers.revive(self.placement.node_ids, alive=lambda nodes: set(nodes) - dead_nodes(nodes))
+        except Exception as exc:  # Ray's errors and a GCS that did not answer alike
+            log.warning("snapshot keepers not checked (%s)", last_line(exc))
+
     def release(self) -> None:
         """Everything this launcher holds: the placement, the spares, the snapshot keepers."""
         self._release_placement()

@@ -9,7 +9,8 @@ holds a few chunks of a snapshot at a time, never a second whole copy, and the k
 chunk into place as it lands. A keeper that takes no chunk for `timeout_s` fails the send
 (`SendTimeout`): the snapshot is lost, training is not held (`checkpoint/memory.py`). A keeper
 that dies is left out and the send goes on to the others, so one lost keeper costs neither this
-snapshot nor the rest of the attempt's.
+snapshot nor the rest of the attempt's; the next sends look it up again, and reach the new keeper
+the controller starts in its place.
 
 A fetch reads a blob back the same way, checking each chunk's xxh3 as it lands, from the first
 keeper that holds a good copy (this node's, then the peer's); `fetch_snapshot` fetches a
@@ -86,20 +87,32 @@ def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = Non
     no chunk within `timeout_s` (a slow keeper never holds the sender for long).
 
     A keeper that is gone (killed, or lost with its node) is left out, from the chunk where its
-    death shows until the attempt ends: the others still get every chunk, so the snapshot is
-    whole on them and a later restore finds it there. Only when none is left does a send fail
-    (`KeepersGone`), and a rank whose keepers cannot all be found sends to those that can; the
-    next attempt's keepers are started afresh by the controller (controller/keepers.py)."""
+    death shows: the others still get every chunk, so the snapshot is whole on them and a later
+    restore finds it there. Each send looks a missing keeper up again by its name, which the
+    controller gives a new keeper within seconds (`Keepers.revive`), so sends reach it again.
+    Only when none can be reached does a send fail (`KeepersGone`); a rank whose keepers
+    cannot all be found at first sends to those that can."""
     keepers: dict[str, Any] = {}
-    for name in targets:
+
+    def look_up(name: str, *, first: bool) -> None:
         try:
             keepers[name] = ray.get_actor(name)
         except ValueError as exc:  # Ray's word for a named actor it cannot find
-            log.warning("snapshot keeper %s not found (%s); rank %d sends to the others", name, exc, rank)
+            if first:
+                log.warning("snapshot keeper %s not found (%s); rank %d sends to the others", name, exc, rank)
+            return
+        if not first:
+            log.info("snapshot keeper %s is back; rank %d sends to it again", name, rank)
+
+    for name in targets:
+        look_up(name, first=True)
     if not keepers:
         raise ValueError(f"none of rank {rank}'s snapshot keepers ({', '.join(targets)}) could be found")
 
     def send(step: int, blob: Blob, digest: str) -> None:
+        for name in targets:
+            if name not in keepers:
+                look_up(name, first=False)
         if not keepers:
             raise KeepersGone(f"every snapshot keeper of rank {rank} is gone ({', '.join(targets)})")
         data = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
