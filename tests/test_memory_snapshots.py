@@ -361,10 +361,19 @@ def test_the_controller_looks_at_its_keepers_every_few_seconds():
 
     now, calls = [100.0], []
     reviver = KeeperReviver(lambda: calls.append(now[0]), every_s=5.0, clock=lambda: now[0])
-    for t in (100.0, 101.0, 104.9, 105.0, 106.0, 111.0):
-        now[0] = t
-        reviver.heartbeats(None, {}, t)
-    assert calls == [100.0, 105.0, 111.0]
+
+    def polls(*times: float) -> None:
+        for t in times:
+            now[0] = t
+            reviver.heartbeats(None, {}, t)
+
+    polls(100.0, 110.0)  # the attempt is still starting: its launch owns the keepers
+    now[0] = 111.0
+    reviver.trained(None)
+    polls(112.0, 115.9, 116.0, 117.0, 121.0)
+    reviver.ending(None)
+    polls(130.0)  # its workers stopped: the next launch plans from the keepers
+    assert calls == [116.0, 121.0]
 
 
 def test_the_next_attempt_sends_to_a_new_keeper_where_one_was_killed(cluster, tmp_path):

@@ -373,18 +373,26 @@ class SpareWarmer(Listener):
 
 
 class KeeperReviver(Listener):
-    """While an attempt runs, the launcher's snapshot keepers are looked at every `every_s` and a
-    dead one replaced (`RayLauncher.revive_keepers`), so a keeper lost mid-attempt costs the
-    snapshots of seconds, not of the rest of the attempt."""
+    """While an attempt trains, the launcher's snapshot keepers are looked at every `every_s` and
+    a dead one replaced (`RayLauncher.revive_keepers`), so a keeper lost mid-attempt costs the
+    snapshots of seconds, not of the rest of the attempt. From the attempt's first step to its
+    end only: its launch (which plans the restore from the keepers and starts them) is over."""
 
     def __init__(self, revive: Callable[[], None], every_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self.revive, self.every_s, self.clock = revive, every_s, clock
         self._last: float | None = None
+        self._training = False
+
+    def trained(self, attempt: Attempt) -> None:
+        self._training, self._last = True, self.clock()  # the launch just made them: look later
+
+    def ending(self, attempt: Attempt) -> None:
+        self._training = False
 
     def heartbeats(self, attempt: Attempt, beats: Beats, wall: float) -> None:
         now = self.clock()
-        if self._last is not None and now - self._last < self.every_s:
+        if not self._training or now - self._last < self.every_s:
             return
         self._last = now
         self.revive()
