@@ -55,10 +55,9 @@ def cli(capsys, monkeypatch):
 # machine. Then every other module, marked `alone`: they start Ray (whose defaults are
 # machine-wide: the dashboard's port 8265, the address file a bare `ray.init()` attaches to
 # under the Ray directory), network namespaces, or time heartbeats, hangs and restarts. They run
-# on two workers that share nothing but the CPUs (each in a network namespace and a Ray
-# directory of its own: scripts/netns-python), every test of a module on the same worker; their
-# timeouts and deadlines wait for events and allow for a neighbour's load. A new module is
-# `alone` until it is listed here.
+# one at a time, or (LONGRUN_ALONE_WORKERS=2) on two workers that share nothing but the CPUs
+# (each in a network namespace and a Ray directory of its own: scripts/netns-python), every test
+# of a module on the same worker. A new module is `alone` until it is listed here.
 PARALLEL_MODULES = frozenset({
     "test_checkpoint", "test_checkpoint_cli", "test_checkpoint_layout", "test_ckpt_coverage",
     "test_ckpt_device", "test_ckpt_lineage", "test_ckpt_skipped_steps", "test_commgroup_init",
