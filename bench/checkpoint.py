@@ -66,8 +66,8 @@ a step (not timed); what a phase keeps between saves (longrun's staging buffers,
 stagers, the floors' buffers) is freed before the next, so on the CPU host memory holds the
 trainer's state (its weights, moments and gradients: 1.33x), at most two of those, and one
 restore's target and reads (torch.load's: its loaded state beside its target, about 2.3x). The
-JSON reports the process's peak RSS (`peak_rss_bytes`, beside `baseline_rss_bytes` before the
-state was built): measured at 0.04-0.3 GB, about 0.1 GB + 4.4x the state above that baseline.
+JSON reports the process's peak RSS (`peak_rss_bytes`, beside `baseline_rss_bytes`: its RSS
+just before the state was built): measured at 0.04-0.3 GB, about 0.1 GB + 4.4x the state above that baseline.
 Ratios (seconds, ours over theirs; the last JSON line): `blocking_vs_sync`; `blocking_vs_dcp`
 (the headline: against the DCP variant with the least blocking, named in `blocking_dcp_best`),
 with `_fresh`, `_cached` and `_async_staging` against each; `e2e_vs_dcp` (the headline: DCP with
@@ -196,7 +196,9 @@ def run(root: str, layers: int, dim: int, device: str, reps: int):
     try:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 1),
                                 rank=0, world_size=1)
-        baseline = peak_rss_bytes()  # torch and longrun imported, no state yet
+        # What the process holds now (torch and longrun imported, no state yet): not the
+        # high-water mark, which an import's transient memory can already hold above it.
+        baseline = current_rss_bytes()
         trainer, restore_target, cfg = build(root, layers, dim, device)
         tensors = state_tensors(trainer)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -246,6 +248,11 @@ def blocking_parts(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure(bench: Bench, reps: int) -> tuple[dict[str, Any], dict[str, float]]:
