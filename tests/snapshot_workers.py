@@ -58,9 +58,9 @@ def snapshots_of_replicas(rank: int, world: int, init_file: str, results, parall
 
         from longrun.checkpoint.memory import MemorySnapshots
         from longrun.checkpoint.sharding import globalize
-        from longrun.checkpoint.snapshot_blob import read_header, read_parts
+        from longrun.checkpoint.snapshot_blob import SnapshotError, read_header, read_parts
         from longrun.commgroup import form_groups, single_node_layout
-        from longrun.worker.snapshots import job_max, snapshot_part
+        from longrun.worker.snapshots import job_max, replica_exchange, snapshot_part
 
         cfg = layout_config(parallelism, world, checkpoint={"dir": root}, training={"steps": 3})
         groups = form_groups(single_node_layout(cfg.dims), rank)
@@ -105,11 +105,40 @@ def snapshots_of_replicas(rank: int, world: int, init_file: str, results, parall
             fresh.load_state_dict(globalize(state, fresh.state_dict()))
             got = _full_state(fresh)
         plain = ("step", "data", "scheduler")
-        same = (got["tensors"].keys() == full["tensors"].keys()
-                and all(torch.equal(got["tensors"][k], full["tensors"][k]) for k in full["tensors"])
-                and [got[k] for k in plain] == [full[k] for k in plain])
+
+        def equal(got) -> bool:
+            return (got["tensors"].keys() == full["tensors"].keys()
+                    and all(torch.equal(got["tensors"][k], full["tensors"][k]) for k in full["tensors"])
+                    and [got[k] for k in plain] == [full[k] for k in plain])
+
+        same = equal(got)
+        # The restore a worker does: its own blob only, the replicas' parts swapped over their group.
+        asked = []
+
+        def own_only(r: int):
+            asked.append(r)
+            return get(r)
+
+        with _trainer(cfg, groups) as fresh:
+            state, _, _ = read_parts(rank, own_only, exchange=replica_exchange(groups.replicate))
+            fresh.load_state_dict(globalize(state, fresh.state_dict()))
+            exchanged = equal(_full_state(fresh))
+        # A replica holding another step's part: its whole replica group refuses, the others go on.
+        stale = "1" if rank == 4 else "3"
+
+        def maybe_stale(r: int):
+            with open(f"{root}/../part-{r}-{stale}.bin", "rb") as f:
+                blob = f.read()
+            with open(f"{root}/../part-{r}-{stale}.digest") as f:
+                return blob, f.read()
+
+        try:
+            read_parts(rank, maybe_stale, exchange=replica_exchange(groups.replicate))
+            refused = None
+        except SnapshotError as exc:
+            refused = str(exc)
         results.put((rank, sent, snaps.skipped, header["part"][0], header["range"][1] - header["range"][0],
-                     header["shared_bytes"], len(get(rank)[0]), same))
+                     header["shared_bytes"], len(get(rank)[0]), same, exchanged, asked, refused))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:

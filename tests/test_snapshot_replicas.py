@@ -1,6 +1,7 @@
 """One copy per shard (issue 39): on an 8-rank CPU job at dp 2 x fsdp 4, the two replicas of each
 shard divide its snapshot, so the bytes sent per snapshot are one copy of the state, not two; a
-restore from those parts is bitwise; a snapshot one rank must skip is skipped by all; and the
+restore from those parts is bitwise (each rank reading its own part and the replicas swapping
+theirs over their group, as a worker restores); a snapshot one rank must skip is skipped by all; and the
 parts commit as a checkpoint written by two "nodes" at once, restored whole at another layout."""
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def test_replicas_send_one_copy_of_the_state_and_restore_it_bitwise(replicas):
     assert sum(row[4] for row in rows) == one_copy  # the parts' shares: one copy, not two
     assert sum(row[6] for row in rows) < 1.5 * one_copy  # whole blobs, each with its own values
     assert all(row[7] for row in rows), "a restored state differs from the trained one"
+    # A worker's restore: each rank reads its own blob only; the parts swapped over the replicas'
+    # group give the same state, bit for bit.
+    assert all(row[8] for row in rows), "a state restored by swapping parts differs from the trained one"
+    assert {row[0]: row[9] for row in rows} == {r: [r] for r in range(8)}
+    # Rank 4 offered step 1's part: it and its replica (rank 0) refused, on both sides; no other did.
+    refused = {row[0]: row[10] for row in rows if row[10] is not None}
+    assert sorted(refused) == [0, 4], refused
+    assert all("step 1" in why for why in refused.values()), refused
 
 
 def test_replicas_parts_commit_from_two_nodes_at_once_and_restore_whole(replicas, redis_server):

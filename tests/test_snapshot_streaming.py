@@ -137,3 +137,21 @@ def test_a_keeper_lists_only_complete_snapshots_and_holds_a_bounded_number():
     assert keeper.holdings() == {0: [3]}
     keeper.drop_after(2)  # a rollback to step 2: steps 3 and 4, sent or arriving, are another path's
     assert keeper.holdings() == {0: []} and keeper.nbytes() == 0
+
+
+def test_a_restore_asks_its_own_nodes_keeper_first_and_gives_up_together(monkeypatch):
+    # restore_from_memory fetches this rank's blob from `prefer` (the keeper on its own node)
+    # before the others the plan lists; a rank that finds no copy returns None before loading.
+    import longrun.worker.snapshots as snapshots
+
+    asked = []
+
+    def fetch_blob(rank, step, names):
+        asked.append((rank, step, names))
+        return None, [f"{name}: gone" for name in names]
+
+    monkeypatch.setattr(snapshots, "fetch_blob", fetch_blob)
+    plan = {"step": 7, "keepers": {"0": ["keeper-a", "keeper-b"], "1": ["keeper-b", "keeper-c"]}}
+    assert snapshots.restore_from_memory(None, 0, plan, None, prefer="keeper-b") is None
+    assert snapshots.restore_from_memory(None, 1, plan, None, prefer="keeper-x") is None
+    assert asked == [(0, 7, ["keeper-b", "keeper-a"]), (1, 7, ["keeper-b", "keeper-c"])]

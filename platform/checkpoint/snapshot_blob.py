@@ -44,6 +44,9 @@ from longrun.checkpoint.snapshot import HostCopy, map_tree
 
 Blob = Any  # bytes-like: bytes, bytearray or a uint8 numpy array (what crosses Ray)
 GetBlob = Callable[[int], tuple[Blob, str]]  # global rank -> (its snapshot blob, its digest)
+# (the shared region with this rank's part in place, the parts' bounds, this rank's header) -> None,
+# the other parts filled in
+Exchange = Callable[[Tensor, list[int], dict[str, Any]], None]
 
 ALIGN = 64  # every tensor's slice starts here: any dtype can view it
 CHUNK_BYTES = 64 << 20  # the unit of checksums and of transfers to and from the keepers
@@ -283,14 +286,19 @@ def _view(blob: Blob, offset: int, nbytes: int) -> Tensor:
         return torch.frombuffer(memoryview(blob).cast("B"), dtype=torch.uint8, count=nbytes, offset=offset)
 
 
-def read_parts(rank: int, get: GetBlob, *, full: bool | None = True,
-               verified: bool = False) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+def read_parts(rank: int, get: GetBlob, *, full: bool | None = True, verified: bool = False,
+               exchange: Exchange | None = None
+               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
     """(state, where, header) of `rank`'s snapshot: its own blob and, when its shard is divided
     among replicas, theirs (`get(global rank)` -> (blob, digest)), each verified unless
     `verified` (`get` checked them as they came) and checked to be parts of one layout. Shared
     tensors are views of one reassembled region. `full=False` reads the rank's own blob only,
     its shared tensors left on the meta device (what a commit needs of a replica's state);
-    `full=None` reads the replicas' parts only for part 0 (the replica that writes them)."""
+    `full=None` reads the replicas' parts only for part 0 (the replica that writes them).
+    `exchange(shared, bounds, header)`: instead of getting the replicas' blobs, the rank's own
+    part is placed in the shared region and `exchange` fills in the others' (the replicas, each
+    holding its own part, swap them over their group: worker/snapshots.py); `get` is then asked
+    for this rank's blob only."""
     blob, digest = get(rank)
     if not verified:
         verify(blob, digest)
@@ -300,23 +308,29 @@ def read_parts(rank: int, get: GetBlob, *, full: bool | None = True,
     if full or (full is None and index == 0):
         shared = torch.empty(header["shared_bytes"], dtype=torch.uint8)
         bounds = part_bounds(header["shared_bytes"], count)
-        for i in range(count):
-            other, other_header = blob, header
-            if i != index:
-                peer = header["replicas"][i]
-                other, other_digest = get(peer)
-                if not verified:
-                    verify(other, other_digest)
-                other_header = read_header(other)
-                if [other_header[k] for k in ("part", "shared_bytes", "layout")] != [[i, count],
-                        header["shared_bytes"], header["layout"]] or other_header["state"].get("step") != \
-                        header["state"].get("step"):
-                    raise SnapshotError(f"rank {peer}'s snapshot is not part {i} of rank {rank}'s "
-                                        f"(step {other_header['state'].get('step')}, part "
-                                        f"{other_header['part']})")
-            lo, hi = bounds[i], bounds[i + 1]
+        if exchange is not None:
+            lo, hi = bounds[index], bounds[index + 1]
             if hi > lo:
-                shared[lo:hi].copy_(_view(other, 0, hi - lo))
+                shared[lo:hi].copy_(_view(blob, 0, hi - lo))
+            exchange(shared, bounds, header)
+        else:
+            for i in range(count):
+                other, other_header = blob, header
+                if i != index:
+                    peer = header["replicas"][i]
+                    other, other_digest = get(peer)
+                    if not verified:
+                        verify(other, other_digest)
+                    other_header = read_header(other)
+                    step = other_header["state"].get("step")
+                    if [other_header[k] for k in ("part", "shared_bytes", "layout")] != [[i, count],
+                            header["shared_bytes"], header["layout"]] or step != header["state"].get("step"):
+                        raise SnapshotError(f"rank {peer}'s snapshot is not part {i} of rank {rank}'s "
+                                            f"(step {step}, part "
+                                            f"{other_header['part']})")
+                lo, hi = bounds[i], bounds[i + 1]
+                if hi > lo:
+                    shared[lo:hi].copy_(_view(other, 0, hi - lo))
     own_at = _aligned(header["range"][1] - header["range"][0])
     tensors = [_tensor(spec, blob, own_at, shared) for spec in header["tensors"]]
 

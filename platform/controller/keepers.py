@@ -23,10 +23,10 @@ A stop request between attempts does the same before the keepers go with the job
 After a fault, `Keepers.plan` picks the newest step every rank has a snapshot of on a live
 keeper (only a step every rank finished counts; the ranks take and skip snapshots at the same
 steps, so they hold the same ones) and lists, per rank, every keeper holding it; each worker
-fetches its own and its replicas' parts, trying those keepers in turn and verifying (xxh3 per
-chunk), and all fall back to storage together only if some rank finds no good copy
-(checkpoint/memory.py, worker/snapshots.py). Keepers are the
-controller's actors: they go when it goes, and a keeper on a node the job no longer uses goes
+fetches its own blob, its node's keeper first, then the others in turn, verifying (xxh3 per
+chunk); the replicas of a shard swap their parts over their group; and all fall back to storage
+together only if some rank finds no good copy (checkpoint/memory.py, worker/snapshots.py).
+Keepers are the controller's actors: they go when it goes, and a keeper on a node the job no longer uses goes
 once the attempt that might restore from it trains (`Keepers.prune`).
 """
 
@@ -46,7 +46,7 @@ from longrun.checkpoint.layout import committed_steps
 from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.config import JobConfig
 from longrun.controller.snapshot_commit import commit_in_parallel
-from longrun.controller.snapshot_keeper import KEEP_STEPS, THREADS, SnapshotKeeper
+from longrun.controller.snapshot_keeper import KEEP_STEPS, THREADS, SnapshotKeeper, keeper_name
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,6 @@ def keeper_targets(node_ids: Sequence[str], rank: int, per_node: int, job: str) 
     index = rank // per_node
     nodes = [node_ids[index], node_ids[(index + 1) % len(node_ids)]]
     return list(dict.fromkeys(keeper_name(job, n) for n in nodes))  # one node: one keeper
-
-
-def keeper_name(job: str, node_id: str) -> str:
-    return f"longrun-{job}-keeper-{node_id[:16]}"
 
 
 class Keepers:

@@ -30,6 +30,12 @@ KEEP_STEPS = 2  # per rank: the newest complete snapshot survives while the next
 THREADS = 32  # calls a keeper serves at once: chunks of every rank sending to it
 
 
+def keeper_name(job: str, node_id: str) -> str:
+    """The keeper's Ray actor name on a node: what the controller starts it as, and what the
+    ranks look it up by (their own node's first when restoring)."""
+    return f"longrun-{job}-keeper-{node_id[:16]}"
+
+
 @dataclass
 class _Receiving:
     step: int

@@ -279,9 +279,12 @@ class TrainWorker:
         started = time.perf_counter()
         plan = (self.snapshots or {}).get("restore")
         if plan is not None:
+            from longrun.controller.snapshot_keeper import keeper_name
             from longrun.worker.snapshots import restore_from_memory
 
-            step = restore_from_memory(trainer, self.rank, plan, world)
+            node = self.node_ids[self.rank // self.cfg.cluster.workers_per_node]
+            step = restore_from_memory(trainer, self.rank, plan, world, replicas.group,
+                                       prefer=keeper_name(self.cfg.job.name, node))
             if step is not None:
                 hooks.restored(step, time.time(), source="memory", seconds=time.perf_counter() - started)
                 if self.rank == 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -163,7 +164,13 @@ def fetch_blob(rank: int, step: int, names: list[str]) -> tuple[tuple[np.ndarray
     problems = []
     for name in names:
         try:
-            return _fetch_from(ray.get_actor(name), rank, step), problems
+            started = time.perf_counter()
+            got = _fetch_from(ray.get_actor(name), rank, step)
+            took = time.perf_counter() - started
+            megabytes = got[0].size / 1e6
+            log.info("rank %d's snapshot of step %d fetched from %s: %.0f MB in %.2f s (%.0f MB/s)", rank,
+                     step, name, megabytes, took, megabytes / max(took, 1e-9))
+            return got, problems
         except Exception as exc:  # a keeper gone with its node, a checksum off: the next copy
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
     return None, problems
