@@ -50,9 +50,12 @@ class FaultError(RuntimeError):
 
 
 def wait_for(what: str, found: Callable[[], Any], timeout: float = PRECONDITION_WAIT_S,
-             ended: Callable[[], bool] = lambda: False) -> Any:
+             ended: Callable[[], bool] = lambda: False, meanwhile: Callable[[], None] = lambda: None) -> Any:
+    """`found()`'s first true value, looked for every 0.2 s; `meanwhile()` runs at each look (the
+    soak's earlier faults' second halves: a wait here must not hold a full disk full)."""
     deadline = time.monotonic() + timeout
     while True:
+        meanwhile()
         value = found()
         if value:
             return value
@@ -73,6 +76,10 @@ class Faults:
     def run_ended(self) -> bool:
         return self.world.runner.poll() is not None
 
+    def _wait(self, what: str, found: Callable[[], Any]) -> Any:
+        """`wait_for` while the job's run lives, tending the earlier faults' second halves."""
+        return wait_for(what, found, ended=self.run_ended, meanwhile=self.world.tend)
+
     def inject(self, kind: str) -> tuple[str, list[Deferred]]:
         return getattr(self, f"_{kind}")()
 
@@ -83,7 +90,7 @@ class Faults:
         def running_workers():
             return (self.world.record() or {}).get("state") == "RUNNING" and training_workers()
 
-        return self.rng.choice(wait_for("a training worker", running_workers, ended=self.run_ended))
+        return self.rng.choice(self._wait("a training worker", running_workers))
 
     def _worker_kill(self):
         victim = self._victim()
@@ -109,8 +116,7 @@ class Faults:
                 return None
             return [p for p in training_workers() if p.pid not in old]
 
-        second = self.rng.choice(wait_for("a worker of the next attempt while it starts", starting_worker,
-                                          ended=self.run_ended))
+        second = self.rng.choice(self._wait("a worker of the next attempt while it starts", starting_worker))
         time.sleep(self.rng.uniform(0.0, 0.5))  # somewhere in its start, not always its first moment
         record = self.world.record() or {}
         began = self.world.steps.training_began(int(float(record.get("attempt", 0))))
@@ -123,7 +129,7 @@ class Faults:
         def spares():
             return (self.world.record() or {}).get("state") == "RUNNING" and spare_workers()
 
-        victim = self.rng.choice(wait_for("a warm spare", spares, ended=self.run_ended))
+        victim = self.rng.choice(self._wait("a warm spare", spares))
         self.world.hit()
         victim.send_signal(signal.SIGKILL)
         return f"SIGKILL to warm spare pid {victim.pid}", []
@@ -132,7 +138,7 @@ class Faults:
         def keepers():
             return (self.world.record() or {}).get("state") == "RUNNING" and processes("keepers", None)
 
-        victim = self.rng.choice(wait_for("a snapshot keeper", keepers, ended=self.run_ended))
+        victim = self.rng.choice(self._wait("a snapshot keeper", keepers))
         self.world.hit()
         victim.send_signal(signal.SIGKILL)
         return f"SIGKILL to snapshot keeper pid {victim.pid}", []
@@ -170,7 +176,7 @@ class Faults:
             live = [n for n in cluster.list_all_nodes() if n.node_id in ids and not n.head]
             return sorted(live, key=lambda n: n.node_id)
 
-        node = self.rng.choice(wait_for("a node running the job", job_node, ended=self.run_ended))
+        node = self.rng.choice(self._wait("a node running the job", job_node))
         self.world.hit()
         cluster.remove_node(node, allow_graceful=False)  # a lost host says nothing
         back_after = self.rng.uniform(10.0, 40.0)
@@ -211,7 +217,7 @@ class Faults:
         def training():
             return (self.world.record() or {}).get("state") == "RUNNING"
 
-        wait_for("the job training", training, ended=self.run_ended)
+        self._wait("the job training", training)
         pid = runner.pid
         self.world.hit()
         code = runner.kill_controller()
@@ -247,8 +253,7 @@ class Faults:
                     return steps[-1], files
             return None
 
-        step, files = wait_for("a committed checkpoint with no newer save due", newest_files,
-                               ended=self.run_ended)
+        step, files = self._wait("a committed checkpoint with no newer save due", newest_files)
         target = self.rng.choice(files)
         size = target.stat().st_size
         offset = self.rng.randrange(max(1, size - 64))
@@ -262,7 +267,7 @@ class Faults:
         for keeper in keepers:  # no memory snapshot left: the restore must read storage
             with contextlib.suppress(psutil.NoSuchProcess):
                 keeper.send_signal(signal.SIGKILL)
-        victim = self.rng.choice(wait_for("a training worker", training_workers, ended=self.run_ended))
+        victim = self.rng.choice(self._wait("a training worker", training_workers))
         victim.send_signal(signal.SIGKILL)
         return (f"flipped 64 bytes at offset {offset} of {target.name} in checkpoint step {step}; "
                 f"SIGKILL to {len(keepers)} snapshot keeper(s) and worker pid {victim.pid}", [])

@@ -261,6 +261,14 @@ class Soak:
         faults = goodput.get("faults") or []
         return any(float(f.get("declared_at", 0)) >= wall for f in faults if isinstance(f, dict))
 
+    def tend(self) -> None:
+        """The second half of each earlier fault whose moment has come (free the disk, bring the
+        node back, reap the frozen worker): from the soak's loop, and from any wait inside an
+        injection, so that one fault's wait never stretches another's."""
+        for item in [d for d in getattr(self, "deferred", []) if _ready(d)]:
+            self.deferred.remove(item)
+            item.action()
+
     def clock(self) -> float:
         return time.monotonic() - self.t0 if getattr(self, "t0", None) else 0.0
 
@@ -312,7 +320,7 @@ class Soak:
                            controller_pid=self.runner.pid, redis_url=self.redis.url, job=JOB).start()
         schedule: list[tuple[float, str]] | None = None
         injected: list[Injected] = []
-        deferred: list[Deferred] = []
+        self.deferred: list[Deferred] = []
         failure, last_progress, first_step_at = None, -1e9, None
         progress_every = 10.0 if plan.minutes <= 10 else 30.0
         hard_stop = max(plan.minutes * 60 * 3, plan.minutes * 60 + 600)
@@ -342,12 +350,10 @@ class Soak:
                             for i, kind in enumerate(plan.kinds)]
                 self.say(f"first step at {first_step_at:.0f} s; faults at "
                          + ", ".join(f"{at:.0f} s {kind}" for at, kind in schedule))
-            for item in [d for d in deferred if _ready(d)]:
-                deferred.remove(item)
-                item.action()
+            self.tend()
             if schedule and schedule[0][0] <= self.clock():
                 _, kind = schedule.pop(0)
-                deferred += self._inject(kind, step, injected)
+                self.deferred += self._inject(kind, step, injected)
                 self.probe.controller_pid = self.runner.pid
                 continue
             if self.clock() - last_progress >= progress_every:
@@ -359,7 +365,7 @@ class Soak:
                 break
             time.sleep(0.25)  # the job runs in other processes; this loop only looks and injects
         wall_s = self.clock()
-        for item in deferred:  # the job ended: free the disk, reap what we froze, return nodes
+        for item in self.deferred:  # the job ended: free the disk, reap what we froze, return nodes
             item.action()
         if failure is None and self.failures:  # found by a second half run just now
             failure = self.failures[0]

@@ -22,8 +22,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from _soak_faults import KINDS  # noqa: E402
-from _soak_harness import Plan  # noqa: E402
+from _soak_faults import KINDS, Deferred, Faults  # noqa: E402
+from _soak_harness import Plan, Soak  # noqa: E402
 from _soak_job import ffn_for, soak_job, state_mb_of  # noqa: E402
 from _soak_report import fault_outcomes, goodput_summary, targets  # noqa: E402
 from _soak_steps import StepWatch  # noqa: E402
@@ -258,3 +258,23 @@ def test_the_soak_reads_each_ranks_last_step_and_each_restore_from_the_ledger(re
         StepLedger(step_ledger_client(redis_server.url), "soak", 1, r).restored(4, "memory", 0.2)
     assert watch.last_reported(1) == 4
     assert [(r.attempt, r.step) for r in watch.restores] == [(0, None), (1, 4)]
+
+
+def test_a_wait_inside_one_fault_carries_out_the_second_half_of_another():
+    # The quick soak (seed 41) once held its disk full for 300 s: checkpoint_corrupt waited for a
+    # committed checkpoint while the earlier disk_full's "free the disk" waited for the soak's
+    # loop, so none could commit. A wait inside an injection now tends the earlier faults' halves.
+    world = Soak.__new__(Soak)  # only what tend() and the wait use
+    freed, committed = [], []
+    world.deferred = [Deferred("the disk freed", lambda: True, lambda: freed.append(True)),
+                      Deferred("not yet", lambda: False, lambda: freed.append(False))]
+    world.runner = SimpleNamespace(poll=lambda: None)
+    faults = Faults(world, random.Random(0))
+
+    def checkpoint():  # a checkpoint can commit only once the disk has room
+        committed.append(bool(freed))
+        return committed[-1] and ["step-10"]
+
+    assert faults._wait("a committed checkpoint", checkpoint) == ["step-10"]
+    assert freed == [True] and [d.what for d in world.deferred] == ["not yet"]
+    assert committed == [True]  # tended before the first look
