@@ -54,15 +54,21 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
     whether the job survived it: finished, having trained past the step the fault hit."""
     declared = _declared(goodput)
     outcomes = []
+
+    def struck(fault) -> float:
+        # When it hit, not when its injection began: an injection may wait (for a committed
+        # checkpoint, a worker to start) while the last fault's consequences are still declared.
+        return fault.hit_wall or fault.wall
+
     for i, fault in enumerate(injected):
-        until = injected[i + 1].wall if i + 1 < len(injected) else float("inf")
-        mine = [f for f in declared if fault.wall <= float(f.get("declared_at", 0)) < until]
+        until = struck(injected[i + 1]) if i + 1 < len(injected) else float("inf")
+        mine = [f for f in declared if struck(fault) <= float(f.get("declared_at", 0)) < until]
         lost = [int(f["steps_lost"]) for f in mine if f.get("steps_lost") is not None]
         hit = fault.error is None
         # No fault declared (a Redis restart ridden out, a dead spare or keeper replaced, a
         # preemption that saved its step): nothing was restored, so nothing was redone.
         ledger = max(lost) if lost else (0 if hit else None)
-        since = fault.hit_wall or fault.wall
+        since = struck(fault)
         outside = (steps_lost_outside(fault.reported, fault.attempt, since, until, list(restores))
                    if hit else None)
         # The struck attempt may finish steps after the blow (a removed node's processes train on

@@ -124,6 +124,26 @@ def test_each_declared_fault_is_charged_to_the_injection_before_it():
     assert seen_more[0]["steps_lost_outside"] == 4 and seen_more[0]["steps_lost_agree"] is False
 
 
+def test_a_fault_declared_while_the_next_injection_waits_is_charged_to_the_one_that_caused_it():
+    # The quick soak (seed 41): disk_full's failed save was declared after checkpoint_corrupt's
+    # injection began but before it struck (it waited for a committed checkpoint); charged by
+    # when each fault struck, the memory restore it caused is disk_full's, and the corruption's
+    # first restore is the storage restore that skipped the corrupted step.
+    disk = _injected("disk_full", 1010, 6, reported=6)
+    corrupt = _injected("checkpoint_corrupt", 1030, 19, attempt=1, reported=31, corrupted=30)
+    corrupt.hit_wall = 1040.0
+    goodput = {"faults": [
+        {"kind": "exception", "attempt": 0, "declared_at": 1032.0, "last_step": 19, "restored_step": 19,
+         "steps_lost": 0, "restored_from": "memory"},
+        {"kind": "dead", "attempt": 1, "declared_at": 1041.0, "last_step": 31, "restored_step": 20,
+         "steps_lost": 11, "restored_from": "storage"}]}
+    outcomes = fault_outcomes([disk, corrupt], goodput, steps_done=100, finished=True,
+                              log_text="checkpoint step 30 is unusable")
+    assert [[f["kind"] for f in o["declared"]] for o in outcomes] == [["exception"], ["dead"]]
+    assert [o["steps_lost"] for o in outcomes] == [0, 11]
+    assert outcomes[1]["corruption_detected"] is True
+
+
 def test_steps_a_struck_attempt_finished_after_the_blow_are_checked_against_its_last_report():
     # A removed node's processes train on for a while: the ledger counts those steps as lost.
     goodput = {"faults": [{"kind": "dead", "attempt": 2, "declared_at": 1015.0, "last_step": 43,
