@@ -67,7 +67,8 @@ stagers, the floors' buffers) is freed before the next, so on the CPU host memor
 trainer's state (its weights, moments and gradients: 1.33x), at most two of those, and one
 restore's target and reads (torch.load's: its loaded state beside its target, about 2.3x). The
 JSON reports the process's peak RSS (`peak_rss_bytes`, beside `baseline_rss_bytes`: its RSS
-just before the state was built): measured at 0.04-0.3 GB, about 0.1 GB + 4.4x the state above that baseline.
+just before the state was built): measured at 0.04-0.3 GB, about 0.1 GB + 4.4x the state above
+the process's high-water mark before the state (the baseline before 2026-11-29).
 Ratios (seconds, ours over theirs; the last JSON line): `blocking_vs_sync`; `blocking_vs_dcp`
 (the headline: against the DCP variant with the least blocking, named in `blocking_dcp_best`),
 with `_fresh`, `_cached` and `_async_staging` against each; `e2e_vs_dcp` (the headline: DCP with

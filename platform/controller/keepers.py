@@ -26,8 +26,8 @@ steps, so they hold the same ones) and lists, per rank, every keeper holding it;
 fetches its own blob, its node's keeper first, then the others in turn, verifying (xxh3 per
 chunk); the replicas of a shard swap their parts over their group; and all fall back to storage
 together only if some rank finds no good copy (checkpoint/memory.py, worker/snapshots.py).
-Keepers are the controller's actors: they go when it goes, and a keeper on a node the job no longer uses goes
-once the attempt that might restore from it trains (`Keepers.prune`).
+Keepers are the controller's actors: they go when it goes, and a keeper on a node the job no
+longer uses goes once the attempt that might restore from it trains (`Keepers.prune`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -201,26 +202,35 @@ def _fetch_from(keeper, rank: int, step: int) -> tuple[np.ndarray, str]:
     return out, digest
 
 
+def preferred_first(names: list[str], prefer: str | None) -> list[str]:
+    """`names` with `prefer` (a rank's own node's keeper) moved to the front, if among them."""
+    return [prefer] + [n for n in names if n != prefer] if prefer in names else list(names)
+
+
+def blob_getter(step: int, keepers: dict[str, list[str]], problems: list[str],
+                prefer: str | None = None) -> Callable[[int], tuple[np.ndarray, str]]:
+    """`read_parts`' `get`: rank r's verified blob of `step` from the keepers holding it
+    (`keepers`: str(rank) -> names; `prefer` tried first), each problem met added to `problems`;
+    SnapshotUnavailable when none has a good copy."""
+    def get(r: int) -> tuple[np.ndarray, str]:
+        got, tried = fetch_blob(r, step, preferred_first(keepers.get(str(r), []), prefer))
+        problems.extend(tried)
+        if got is None:
+            raise SnapshotUnavailable(f"rank {r}'s snapshot of step {step}: "
+                                      + ("; ".join(tried) or "no keeper holds it"))
+        return got
+    return get
+
+
 def fetch_snapshot(rank: int, step: int, keepers: dict[str, list[str]], *, full: bool | None = True,
                    prefer: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """Rank `rank`'s snapshot of `step` ({"state", "where", "part"}) from the keepers holding
     each rank's (`keepers`: str(rank) -> names; `prefer`'s copy tried first), its replicas'
     parts as `read_parts`' `full` says; (None, the problems) when some part has no good copy."""
     problems: list[str] = []
-
-    def get(r: int) -> tuple[np.ndarray, str]:
-        names = keepers.get(str(r), [])
-        if prefer in names:
-            names = [prefer] + [n for n in names if n != prefer]
-        got, tried = fetch_blob(r, step, names)
-        problems.extend(tried)
-        if got is None:
-            raise SnapshotUnavailable(f"rank {r}'s snapshot of step {step}: "
-                                      + ("; ".join(tried) or "no keeper holds it"))
-        return got
-
     try:
-        state, where, header = read_parts(rank, get, full=full, verified=True)
+        state, where, header = read_parts(rank, blob_getter(step, keepers, problems, prefer), full=full,
+                                          verified=True)
     except SnapshotUnavailable:
         return None, problems
     except Exception as exc:  # parts that do not fit together

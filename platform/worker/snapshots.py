@@ -41,9 +41,11 @@ from longrun.trainer.optim import lay_out_state
 from longrun.worker.snapshot_transfer import (
     SendTimeout,
     SnapshotUnavailable,
+    blob_getter,
     fetch_blob,
     fetch_snapshot,
     node_object_store_bytes,
+    preferred_first,
     snapshot_sender,
     transfer_sizes,
 )
@@ -115,10 +117,7 @@ def restore_from_memory(trainer, rank: int, restore: dict[str, Any], world_group
     store. Without the group a rank fetches its replicas' parts from the keepers too."""
     step = int(restore["step"])
     started = time.perf_counter()
-    names = list(restore["keepers"].get(str(rank), []))
-    if prefer in names:
-        names = [prefer] + [n for n in names if n != prefer]
-    own, problems = fetch_blob(rank, step, names)
+    own, problems = fetch_blob(rank, step, preferred_first(restore["keepers"].get(str(rank), []), prefer))
     fetched = time.perf_counter()
     if not all_ranks_ok(own is not None, world_group):
         why = ("; ".join(problems) or "no keeper holds it") if own is None else \
@@ -126,14 +125,10 @@ def restore_from_memory(trainer, rank: int, restore: dict[str, Any], world_group
         log.warning("memory snapshot of step %d unusable (%s); restoring from storage", step, why)
         return None
 
+    others = blob_getter(step, restore["keepers"], [], prefer)  # a part no group swaps: from the keepers
+
     def get(r: int) -> tuple[Any, str]:
-        if r == rank:
-            return own
-        got, tried = fetch_blob(r, step, list(restore["keepers"].get(str(r), [])))
-        if got is None:
-            raise SnapshotUnavailable(f"rank {r}'s snapshot of step {step}: " + ("; ".join(tried)
-                                      or "no keeper holds it"))
-        return got
+        return own if r == rank else others(r)
 
     try:
         state, _, _ = read_parts(rank, get, verified=True, exchange=replica_exchange(replicate_group))
