@@ -37,6 +37,17 @@ def test_choose_nodes_skips_evicted_and_small_nodes_and_prefers_free_ones():
     assert [n.node_id for n in chosen] == ["id3", "id1"]
 
 
+def test_choose_nodes_for_a_partial_re_placement_returns_only_the_missing_nodes():
+    nodes = [node(1, free=0), node(2, free=0), node(3, free=0), node(4)]
+    # The job keeps id2 (its own node, busy with its workers) and needs one node besides it.
+    assert [n.node_id for n in choose_nodes(job(), nodes, evicted=["id1"], taken=["id2"])] == ["id4"]
+    # Counted as a whole placement would be: id2 is the job's own, id3 is busy, id1 evicted.
+    with pytest.raises(PlacementImpossible) as info:
+        choose_nodes(job(nodes=3), nodes, evicted=["id1", "id4"], taken=["id2"])
+    assert "has 2 such node(s)" in str(info.value)
+    assert (info.value.available, info.value.existing) == (1, 2)
+
+
 def test_choose_nodes_explains_an_impossible_job():
     with pytest.raises(PlacementImpossible) as info:
         choose_nodes(job(nodes=3), [node(1), node(2), node(3, total=1)], evicted=["id1"])

@@ -1,8 +1,10 @@
-"""Placing workers while Ray still lists a lost node as alive (its health checks have not
-given up yet) on a simulated 3-node cluster: a reservation pinned to a node that dies is
-chosen again among the live ones instead of waiting out its timeout, and a warm spare that
-died before its attempt started costs a second placement, not a restart. And a reservation
-waiting on busy nodes is given up as soon as the job is asked to stop."""
+"""Placing workers while nodes come and go, on a simulated 3-node cluster: an evicted node is
+placed again alone, and the warm spares on the job's other nodes serve their ranks; while Ray
+still lists a lost node as alive (its health checks have not given up yet), a reservation
+pinned to a node that dies is chosen again among the live ones instead of waiting out its
+timeout, and a warm spare that died before its attempt started costs a second placement, not
+a restart. And a reservation waiting on busy nodes is given up as soon as the job is asked to
+stop."""
 
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from longrun.config import config_from_dict
-from longrun.controller.placement import PlacementCancelled, alive_nodes, bundle_nodes, place
+from longrun.controller.placement import (
+    PlacementCancelled,
+    PlacementImpossible,
+    alive_nodes,
+    bundle_nodes,
+    place,
+)
 from longrun.controller.workers import RayLauncher
 
 
@@ -67,6 +75,48 @@ def answers_dead(actor) -> bool:
 def pending_group(name: str) -> bool:
     return any(g["name"] == name and g["state"] == "PENDING"
                for g in ray.util.placement_group_table().values())
+
+
+@pytest.mark.timeout(300)
+def test_an_evicted_node_is_placed_again_alone_and_the_other_nodes_spares_take_their_ranks(cluster):
+    cfg = job("evict-one")
+    launcher = RayLauncher(spares=True)
+    url = "redis://127.0.0.1:1/0"
+    try:
+        first = launcher(cfg, attempt=0, redis_url=url, evicted=(), resume_before_step=None, timeout_s=60)
+        launcher.warm_spares()
+        ray.get(launcher._warming, timeout=120)
+        spares = list(launcher._spares)
+        bad, kept = first.node_ids
+        first_group = launcher.placement.groups[0].id.hex()
+        first.stop()
+
+        second = launcher(cfg, attempt=1, redis_url=url, evicted=[bad], resume_before_step=None, timeout_s=60)
+        placement = second.placement
+        new = placement.node_ids[0]
+        assert new not in (bad, kept) and placement.node_ids[1] == kept
+        # Ranks 2-3 (the kept node) are served by their warm spares; ranks 0-1 start fresh.
+        assert all(actor is spare for actor, spare in zip(second.actors[2:], spares[2:], strict=True))
+        assert not any(actor is spare for actor in second.actors[:2] for spare in spares)
+        where = ray.get([a.node_id.remote() for a in second.actors], timeout=60)
+        assert where == bundle_nodes(placement) == [new, new, kept, kept]
+        # The kept node's ranks are still in the job's first group; the new node has its own.
+        assert len(placement.groups) == 2 and placement.groups[0].id.hex() == first_group
+        assert [g for g, _ in placement.slots] == [1, 1, 0, 0]
+        groups = [g.id.hex() for g in placement.groups]
+        second.stop()
+
+        # The kept node evicted too leaves one eligible node of three: a clear error, and a
+        # failed re-placement lets everything go (nothing of the job stays reserved).
+        launcher.warm_spares()
+        ray.get(launcher._warming, timeout=120)
+        with pytest.raises(PlacementImpossible, match="has 1 such node"):
+            launcher(cfg, attempt=2, redis_url=url, evicted=[bad, kept], resume_before_step=None, timeout_s=5)
+        assert launcher.placement is None and launcher._spares == []
+        states = {g["placement_group_id"]: g["state"] for g in ray.util.placement_group_table().values()}
+        assert all(states.get(g) == "REMOVED" for g in groups), states
+    finally:
+        launcher.release()
 
 
 @pytest.mark.timeout(300)

@@ -5,8 +5,16 @@ parallelism inside a node, data parallelism outermost. So the controller picks t
 itself, `cluster.nodes` of them with room for `cluster.workers_per_node` workers each, never
 an evicted one, and reserves them in ONE placement group: bundle i is rank i's, and each
 bundle carries a label selector pinning it to its node (`ray.io/node-id`). The reservation is
-all or nothing (Ray's placement group), a rank's node is known before any process starts,
-and a re-placement after an eviction simply chooses again without the evicted nodes.
+all or nothing (Ray's placement group), and a rank's node is known before any process starts.
+
+When some of the job's nodes are lost or evicted and its size stays, only those nodes are
+placed again (`place_again`): their replacements are reserved in a group of their own beside
+the job's, and the ranks of the nodes that stay keep their bundles, with the warm spares waiting
+in them (workers.py). One group for the whole job, not one per node, because that is what
+placing costs least at scale (`bench/placement_scale.py`: 17x less GCS CPU at 8,192 bundles); a
+replaced node's bundles in the first group stay reserved for its node (a lost node's are Ray's
+to forget; an evicted node's hold that node, which the job will not use again, until the job
+next places from scratch). A group none of whose bundles serves a rank any more is removed.
 
 Two ways placement can fail, told apart because the controller reacts differently:
 - `PlacementImpossible`: the cluster does not have enough eligible nodes at all (counting
@@ -30,6 +38,7 @@ again every few seconds, and one whose node has died since is dropped and chosen
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,6 +50,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from longrun.config import JobConfig
 from longrun.node_names import node_name
+
+log = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"
 RECHECK_S = 2.0  # how often a pending reservation looks whether one of its nodes has died
@@ -136,12 +147,14 @@ def placeable_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable
 
 
 def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = (),
-                 held: Iterable[str] = ()) -> list[NodeInfo]:
+                 held: Iterable[str] = (), taken: Iterable[str] = ()) -> list[NodeInfo]:
     """`cluster.nodes` nodes for the job: never evicted ones, preferring nodes whose
-    resources are free now (or `held` by the job's own placement). Raises PlacementImpossible
-    when too few nodes could ever fit."""
+    resources are free now (or `held` by the job's own placement). `taken`: nodes the job keeps
+    (a partial re-placement); only the others it still needs are returned. Raises
+    PlacementImpossible when too few nodes could ever fit."""
     bundle, per_node, wanted = worker_bundle(cfg), cfg.cluster.workers_per_node, cfg.cluster.nodes
-    banned, held = set(evicted), set(held)
+    taken = set(taken)
+    banned, held = set(evicted), set(held) | taken
     nodes = list(nodes)
     candidates = [n for n in nodes if n.node_id not in banned]
     able = eligible_nodes(cfg, nodes, banned)
@@ -158,7 +171,8 @@ def choose_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[st
         )
     # Free nodes first (stable within each class), so the reservation can succeed at once.
     busy = [n for n in able if n not in ready]
-    return (ready + busy)[:wanted]
+    still = wanted - len(taken & {n.node_id for n in able})
+    return [n for n in ready + busy if n.node_id not in taken][:still]
 
 
 def spare_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str] = (),
@@ -175,20 +189,70 @@ def spare_nodes(cfg: JobConfig, nodes: Iterable[NodeInfo], evicted: Iterable[str
 
 @dataclass
 class Placement:
-    group: PlacementGroup
-    node_ids: tuple[str, ...]  # node of each node index; rank r lives on node_ids[r // per_node]
+    """The job's reservation: `groups` (the whole job's first, then one per partial
+    re-placement still in use), and for each rank its `slots` entry (group index, bundle index).
+    Rank r lives on node_ids[r // workers_per_node]."""
+
+    groups: list[PlacementGroup]
+    node_ids: tuple[str, ...]  # node of each node index
     workers_per_node: int
     names: dict[str, str] = field(default_factory=dict)  # node id -> "host (address)"
+    slots: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.slots:  # one group for the whole job: bundle r is rank r's
+            self.slots = [(0, r) for r in range(len(self.node_ids) * self.workers_per_node)]
 
     def node_of(self, rank: int) -> str:
         return self.node_ids[rank // self.workers_per_node]
 
+    def ranks_on(self, index: int) -> range:
+        """The ranks of node index `index`."""
+        return range(index * self.workers_per_node, (index + 1) * self.workers_per_node)
+
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Schedule rank `rank`'s actor into its bundle."""
-        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=rank)
+        group, bundle = self.slots[rank]
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[group],
+                                                placement_group_bundle_index=bundle)
 
     def remove(self) -> None:
-        remove_placement_group(self.group)
+        for group in self.groups:
+            remove_placement_group(group)
+
+
+def _reserve(cfg: JobConfig, nodes: list[NodeInfo], name: str, deadline: float, timeout_s: float,
+             evicted: Iterable[str], held: Iterable[str],
+             cancelled: Callable[[], bool] | None) -> PlacementGroup | None:
+    """One group of `cluster.workers_per_node` bundles on each of `nodes`, in their order, once
+    it is ready; None when one of the nodes died while it waited (choose again)."""
+    per_node = cfg.cluster.workers_per_node
+    count = len(nodes) * per_node
+    bundles = [worker_bundle(cfg) for _ in range(count)]
+    selectors = [{NODE_ID_LABEL: nodes[b // per_node].node_id} for b in range(count)]
+    group = placement_group(bundles, strategy="PACK", name=name, bundle_label_selector=selectors)
+    while True:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(RECHECK_S, left)))
+        if ready:
+            return group
+        if cancelled is not None and cancelled():
+            remove_placement_group(group)
+            raise PlacementCancelled(f"placing {count} worker(s) given up: the job was asked to stop")
+        now = alive_nodes()  # a pending group holds nothing (all or nothing): the view is the others'
+        if left <= 0:
+            remove_placement_group(group)
+            raise PlacementTimeout(
+                f"{count} worker(s) on nodes {', '.join(n.name for n in nodes)} could not "
+                f"be reserved within {timeout_s:g} s (the placement deadline, "
+                "health.startup.placement_s): their resources are in use",
+                available=placeable_nodes(cfg, now, evicted, held),
+                existing=len(eligible_nodes(cfg, now, evicted)),
+            )
+        alive = {n.node_id for n in now}
+        if any(n.node_id not in alive for n in nodes):
+            remove_placement_group(group)  # pinned to a node that died: choose again
+            return None
 
 
 def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.0,
@@ -198,40 +262,51 @@ def place(cfg: JobConfig, *, evicted: Iterable[str] = (), timeout_s: float = 60.
     reservation; True gives it up (PlacementCancelled): a stop request must not wait out the
     timeout, or a scheduler's grace period runs out first."""
     deadline = time.monotonic() + timeout_s
-    per_node = cfg.cluster.workers_per_node
     while True:
         nodes = choose_nodes(cfg, alive_nodes(), evicted, held)
-        bundles = [worker_bundle(cfg) for _ in range(cfg.world_size)]
-        selectors = [{NODE_ID_LABEL: nodes[r // per_node].node_id} for r in range(cfg.world_size)]
-        group = placement_group(bundles, strategy="PACK", name=name, bundle_label_selector=selectors)
-        while True:
-            left = deadline - time.monotonic()
-            ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(RECHECK_S, left)))
-            if ready:
-                return Placement(group, tuple(n.node_id for n in nodes), per_node,
-                                 {n.node_id: n.name for n in nodes})
-            if cancelled is not None and cancelled():
-                remove_placement_group(group)
-                raise PlacementCancelled(f"placing {cfg.world_size} worker(s) given up: the job was asked "
-                                         "to stop")
-            now = alive_nodes()  # a pending group holds nothing (all or nothing): the view is the others'
-            if left <= 0:
-                remove_placement_group(group)
-                raise PlacementTimeout(
-                    f"{cfg.world_size} worker(s) on nodes {', '.join(n.name for n in nodes)} could not "
-                    f"be reserved within {timeout_s:g} s (the placement deadline, "
-                    "health.startup.placement_s): their resources are in use",
-                    available=placeable_nodes(cfg, now, evicted),
-                    existing=len(eligible_nodes(cfg, now, evicted)),
-                )
-            alive = {n.node_id for n in now}
-            if any(n.node_id not in alive for n in nodes):
-                remove_placement_group(group)  # pinned to a node that died: choose again
-                break
+        group = _reserve(cfg, nodes, name, deadline, timeout_s, evicted, (), cancelled)
+        if group is not None:
+            return Placement([group], tuple(n.node_id for n in nodes), cfg.cluster.workers_per_node,
+                             {n.node_id: n.name for n in nodes})
+
+
+def place_again(placement: Placement, cfg: JobConfig, indices: Iterable[int], *, evicted: Iterable[str] = (),
+                timeout_s: float = 60.0, name: str = "",
+                cancelled: Callable[[], bool] | None = None) -> Placement:
+    """The job's placement with the nodes at `indices` (lost or evicted) replaced by others,
+    reserved together in a group of their own; every other rank keeps its bundle (see the module
+    docstring). `placement` is left as it was, groups included: on success the caller drops it
+    for the returned one, whose groups no longer in use are removed here; on a raise (the
+    errors of `place`, counted as a whole placement would) nothing new is held."""
+    indices = sorted(set(indices))
+    kept = [node for i, node in enumerate(placement.node_ids) if i not in indices]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = choose_nodes(cfg, alive_nodes(), evicted, taken=kept)
+        group = _reserve(cfg, nodes, name, deadline, timeout_s, evicted, kept, cancelled)
+        if group is not None:
+            break
+    node_ids, names = list(placement.node_ids), dict(placement.names)
+    groups, slots = [*placement.groups, group], list(placement.slots)
+    per_node = placement.workers_per_node
+    for j, (index, node) in enumerate(zip(indices, nodes, strict=True)):
+        node_ids[index], names[node.node_id] = node.node_id, node.name
+        for k, rank in enumerate(placement.ranks_on(index)):
+            slots[rank] = (len(groups) - 1, j * per_node + k)
+    used = sorted({g for g, _ in slots})
+    for g, old in enumerate(groups):
+        if g not in used:
+            try:
+                remove_placement_group(old)
+            except Exception as exc:  # gone with its nodes already
+                log.warning("removing a placement group no rank uses any more: %s", exc)
+    renumber = {g: i for i, g in enumerate(used)}
+    return Placement([groups[g] for g in used], tuple(node_ids), per_node,
+                     {n: names[n] for n in node_ids}, [(renumber[g], b) for g, b in slots])
 
 
 def bundle_nodes(placement: Placement) -> list[str]:
-    """The node id each bundle was actually reserved on (Ray's own record)."""
-    table: dict[str, Any] = ray.util.placement_group_table(placement.group)
-    nodes = table["bundles_to_node_id"]
-    return [nodes[i] for i in range(len(nodes))]
+    """The node id each rank's bundle was actually reserved on (Ray's own record)."""
+    tables: list[dict[str, Any]] = [ray.util.placement_group_table(g)["bundles_to_node_id"]
+                                    for g in placement.groups]
+    return [tables[g][b] for g, b in placement.slots]

@@ -33,7 +33,14 @@ from longrun.controller.outcomes import (
     outcome,
     unwrap,
 )
-from longrun.controller.placement import Placement, alive_nodes, place, spare_nodes, worker_bundle
+from longrun.controller.placement import (
+    Placement,
+    alive_nodes,
+    place,
+    place_again,
+    spare_nodes,
+    worker_bundle,
+)
 from longrun.kinds import FaultKind
 from longrun.worker.actor import TrainWorker
 
@@ -204,9 +211,11 @@ class RayLauncher:
     Recovery time is mostly process start and imports (torch, the training stack): about
     10 s for four workers on two cores, against about 1 s for rendezvous, restore and a
     step. So while an attempt trains, one spare actor per bundle waits with everything
-    imported. A restart on the same nodes keeps the placement group and hands each rank to
-    its bundle's spare; a restart that must change nodes (one evicted, or gone) or the job's
-    size (an elastic resize) releases the group, spares included, and places from scratch.
+    imported. A restart on the same nodes keeps the placement and hands each rank to its
+    bundle's spare. A restart that must change nodes (one evicted, or gone) places only those
+    again (`place_again`): the spares on the other nodes serve their ranks, and the new nodes'
+    ranks start fresh. A change of the job's size (an elastic resize) releases everything,
+    spares included, and places from scratch.
     """
 
     def __init__(self, spares: bool = True):
@@ -214,8 +223,8 @@ class RayLauncher:
         self.placement: Placement | None = None
         self.keepers: Keepers | None = None  # peer memory snapshots' keepers, across attempts
         self.agents: Agents | None = None  # heartbeat agents (health.node_agents), across attempts
-        self._spares: list[Any] = []
-        self._warming: list[Any] = []  # warm() refs of the spares
+        self._spares: list[Any | None] = []  # per rank; None where its node was placed again
+        self._warming: list[Any | None] = []  # warm() refs of the spares
         self._cfg: JobConfig | None = None
         self._generation = 0  # of spares: actor names must stay unique after a promotion
         self._shared_storage_seen: set[str] = set()  # nodes whose probe the controller read back
@@ -241,16 +250,21 @@ class RayLauncher:
                 resume_before_step: int | None, timeout_s: float, skip_steps: Sequence[tuple[int, int]],
                 cancelled: Callable[[], bool] | None) -> RayWorkerGroup:
         held: tuple[str, ...] = ()  # the nodes this job just gave back: free to it, whatever Ray says yet
-        if self.placement is not None and not self._reusable(cfg, set(evicted)):
-            held = self.placement.node_ids
-            self._release_placement()
+        if self.placement is not None:
+            stale = self._stale_nodes(cfg, set(evicted))
+            if stale is None:
+                held = self.placement.node_ids
+                self._release_placement()
+            elif stale:
+                self._place_again(cfg, stale, attempt, evicted, timeout_s, cancelled)
         if self.placement is None:
             self.placement = place(cfg, evicted=evicted, timeout_s=timeout_s,
                                    name=f"longrun-{cfg.job.name}-a{attempt}", held=held, cancelled=cancelled)
         self._cfg = cfg
         self._ensure_agents(cfg, redis_url, timeout_s)
-        actors = self._take_spares() or [self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
-                                         for rank in range(cfg.world_size)]
+        spares = self._take_spares() or [None] * cfg.world_size
+        actors = [spare or self._new_actor(cfg, rank, f"a{attempt}-r{rank}")
+                  for rank, spare in enumerate(spares)]
         config = cfg.model_dump(mode="json")
         snapshots = self._snapshot_plans(cfg, resume_before_step, timeout_s=max(timeout_s, 300.0))
         beat_to = self.agents.addresses if cfg.node_agents and self.agents is not None else {}
@@ -432,7 +446,8 @@ class RayLauncher:
 
     def _release_placement(self) -> None:
         for spare in self._spares:
-            ray.kill(spare, no_restart=True)
+            if spare is not None:
+                ray.kill(spare, no_restart=True)
         self._spares, self._warming = [], []
         if self.placement is not None:
             try:
@@ -448,23 +463,56 @@ class RayLauncher:
                                  scheduling_strategy=self.placement.strategy(rank),
                                  **actor_options(cfg)).remote()
 
-    def _reusable(self, cfg: JobConfig, evicted: set[str]) -> bool:
+    def _stale_nodes(self, cfg: JobConfig, evicted: set[str]) -> list[int] | None:
+        """The node indices of the placement that the next attempt cannot use (dead or evicted);
+        None when the job's size changed (everything is placed again)."""
         nodes = self.placement.node_ids
-        resized = (len(nodes), self.placement.workers_per_node) != (cfg.cluster.nodes,
-                                                                    cfg.cluster.workers_per_node)
-        return not resized and not dead_nodes(nodes) and not evicted.intersection(nodes)
+        if (len(nodes), self.placement.workers_per_node) != (cfg.cluster.nodes, cfg.cluster.workers_per_node):
+            return None
+        gone = dead_nodes(nodes) | evicted
+        return [i for i, node in enumerate(nodes) if node in gone]
 
-    def _take_spares(self) -> list[Any]:
-        """The spares, if every one of them is alive and warm; else none (start fresh)."""
+    def _place_again(self, cfg: JobConfig, stale: list[int], attempt: int, evicted: Iterable[str],
+                     timeout_s: float, cancelled: Callable[[], bool] | None) -> None:
+        """Replace the nodes at `stale`, keeping the others' bundles and warm spares. The spares
+        of the replaced nodes go; if the re-placement fails, everything is let go (the next try
+        places from scratch, with the old nodes counted as the job's own)."""
+        old = self.placement
+        for index in stale:
+            for rank in old.ranks_on(index):
+                if rank < len(self._spares) and self._spares[rank] is not None:
+                    ray.kill(self._spares[rank], no_restart=True)
+                    self._spares[rank] = None
+        try:
+            self.placement = place_again(old, cfg, stale, evicted=evicted, timeout_s=timeout_s,
+                                         name=f"longrun-{cfg.job.name}-a{attempt}", cancelled=cancelled)
+        except Exception:
+            self._release_placement()
+            raise
+        log.info("placed node(s) %s again on %s; the other %d node(s) keep their workers' places and spares",
+                 ", ".join(old.names.get(old.node_ids[i], old.node_ids[i]) for i in stale),
+                 ", ".join(self.placement.names[self.placement.node_ids[i]] for i in stale),
+                 len(old.node_ids) - len(stale))
+
+    def _take_spares(self) -> list[Any | None]:
+        """Per rank, its spare if it is alive and warm, else None (that rank starts fresh); []
+        when there are no spares at all."""
         spares, warming = self._spares, self._warming
         self._spares, self._warming = [], []
-        if not spares:
+        if not any(s is not None for s in spares):
             return []
-        try:
-            ray.get(warming, timeout=60)
-            return spares
-        except RayError as exc:
-            log.warning("warm spares unusable, starting fresh workers: %s", exc)
-            for spare in spares:
+        pending = [ref for ref in warming if ref is not None]
+        ray.wait(pending, num_returns=len(pending), timeout=60)
+        taken: list[Any | None] = []
+        for spare, ref in zip(spares, warming, strict=True):
+            if spare is None:
+                taken.append(None)
+                continue
+            try:
+                ray.get(ref, timeout=0)
+                taken.append(spare)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("a warm spare is unusable, its rank starts a fresh worker: %s", last_line(exc))
                 ray.kill(spare, no_restart=True)
-            return []
+                taken.append(None)
+        return taken
