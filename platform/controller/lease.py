@@ -20,6 +20,16 @@ taken). The expiry outlasts the store patience (`lease_ttl_s`): a controller cut
 gives up, as its record writes do, after `health.store_patience_s`, and its lease still stands
 for STOP_MARGIN_S after that, time to stop its workers before another controller can take the
 job over. The price: a dead controller's job is taken over that much later.
+
+Unless its death is proven: a controller rerun on the machine where the last one was killed (the
+common case) need not wait that out. The lease records the holder's host, boot id, pid namespace
+and pid with its start time (clock ticks after boot); a holder on this host, in this boot and
+this pid namespace, whose pid is gone, a zombie, or another process now (a start time of its own:
+the pid was reused), is dead. Its lease is deleted only if it is still that holder's
+(compare-and-delete) and taken at once. Nothing of the dead controller outlives it to be
+stopped: its workers are Ray actors of its driver process, fate-shared with it, and Ray reaps
+them. A holder on another host, or one whose death cannot be proven (no boot id, a process
+/proc does not show, a value without these fields), is still waited out.
 """
 
 from __future__ import annotations
@@ -51,6 +61,57 @@ def lease_ttl_s(store_patience_s: float) -> float:
 
 TTL_S = lease_ttl_s(60.0)  # with the default health.store_patience_s
 
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def _stat(pid: int | str) -> tuple[str, int]:
+    """A process's state letter and start time (clock ticks after boot: field 22 of
+    /proc/PID/stat, counted after the command name, which may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+        state, *fields = f.read().rsplit(")", 1)[1].split()
+    return state, int(fields[18])
+
+
+def _here() -> dict:
+    """What places this process: a host name outlives a reboot (and the pids it handed out), a
+    boot id does not; a pid means this process only in its own pid namespace (a container can
+    share the host name and the kernel)."""
+    try:
+        started = _stat("self")[1]
+    except (OSError, ValueError, IndexError):
+        started = None
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": pid_ns, "pid": os.getpid(), "started": started}
+
+
+def _ended(pid: int, started: int) -> bool:
+    """Whether the process `pid` that started at `started` has ended, on this machine: no process
+    has the pid, or a zombie (it exited; its parent has not reaped it), or one that started at
+    another time (the pid was reused). False when /proc cannot tell."""
+    try:
+        state, now_started = _stat(pid)
+    except FileNotFoundError:  # gone, or hidden from this user (/proc mounted with hidepid)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    except (OSError, ValueError, IndexError):
+        return False
+    return state in ("Z", "X") or now_started != started
+
 # Extend the expiry only if the lease is still this holder's.
 _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -58,6 +119,7 @@ if redis.call('get', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Delete it only if it is still this holder's (given back, or a dead holder's taken over).
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
     return redis.call('del', KEYS[1])
@@ -92,8 +154,8 @@ class ControllerLease:
                              f"expires ({ttl_s:g} s)")
         self.on_lost = on_lost or (lambda reason: None)
         self.lost: str | None = None  # why the lease was lost, once it was
-        self.value = json.dumps({"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                                 "since": time.time()})
+        self.here = _here()
+        self.value = json.dumps({"id": uuid.uuid4().hex, **self.here, "since": time.time()})
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -107,6 +169,12 @@ class ControllerLease:
             if self.client.set(self.key, self.value, nx=True, px=self.ttl_ms):
                 break
             holder, ttl = self.client.get(self.key), self.client.pttl(self.key)
+            if holder is not None and self._holder_dead(holder):
+                if self.client.eval(_RELEASE, 1, self.key, holder):
+                    log.warning("the previous controller of job %r, %s, is dead: the job is taken over "
+                                "without waiting out its lease (%.0f s left)", self.job,
+                                self._holder_text(holder), max(ttl, 0) / 1000)
+                continue  # taken now, unless another controller was quicker
             if holder is not None and ttl > 0:
                 if last_ttl is not None and ttl > last_ttl:
                     raise ControllerRunning(self._refusal(holder))
@@ -165,15 +233,21 @@ class ControllerLease:
         log.error("%s", self.lost)
         self.on_lost(self.lost)
 
+    def _holder_dead(self, holder: bytes | str) -> bool:
+        """Whether the holder's controller provably died: it ran on this host, in this boot and
+        pid namespace, and its process has ended."""
+        who = _parsed(holder)
+        pid, started = who.get("pid"), who.get("started")
+        if not (isinstance(pid, int) and pid > 0 and isinstance(started, int)):
+            return False
+        if any(self.here[k] is None or who.get(k) != self.here[k] for k in ("host", "boot_id", "pid_ns")):
+            return False
+        return _ended(pid, started)
+
     @staticmethod
     def _holder_text(holder: bytes | str | None) -> str:
         """Where the controller holding a lease runs: 'on HOST (pid PID, since WHEN)'."""
-        try:
-            who = json.loads(holder) if holder else {}
-        except ValueError:
-            who = {}
-        if not isinstance(who, dict):
-            who = {}
+        who = _parsed(holder)
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"])) if "since" in who else "?"
         return f"on {who.get('host', '?')} (pid {who.get('pid', '?')}, since {since})"
 
@@ -182,3 +256,12 @@ class ControllerLease:
         return (f"job {self.job!r} is already running: its controller {where} holds the job's lease and "
                 "renews it. Find it with `longrun list` (`longrun status ID` follows it, `longrun stop ID` "
                 "stops it), or run this config under another job.name.")
+
+
+def _parsed(holder: bytes | str | None) -> dict:
+    """A lease's value as written; {} for one that is not (it tells nothing of its holder)."""
+    try:
+        who = json.loads(holder) if holder else {}
+    except ValueError:
+        who = {}
+    return who if isinstance(who, dict) else {}
