@@ -48,6 +48,35 @@ def test_choose_nodes_for_a_partial_re_placement_returns_only_the_missing_nodes(
     assert (info.value.available, info.value.existing) == (1, 2)
 
 
+def test_nodes_placed_again_take_the_old_ones_places_and_a_group_no_rank_uses_goes(monkeypatch):
+    from longrun.controller import placement as placing
+
+    made, removed = [], []
+
+    def reserve(cfg, nodes, name, *args):
+        made.append(tuple(n.node_id for n in nodes))
+        return f"group{len(made)}"
+
+    monkeypatch.setattr(placing, "alive_nodes", lambda: [node(1), node(2), node(3), node(4)])
+    monkeypatch.setattr(placing, "_reserve", reserve)
+    monkeypatch.setattr(placing, "remove_placement_group", removed.append)
+    first = placing.Placement(["group0"], ("id1", "id2"), 2, {"id1": "one", "id2": "two"})
+    assert first.slots == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+    second = placing.place_again(first, job(), [0], evicted=["id1"])
+    assert made == [("id3",)] and second.node_ids == ("id3", "id2")
+    assert second.groups == ["group0", "group1"] and removed == []
+    assert second.slots == [(1, 0), (1, 1), (0, 2), (0, 3)]  # ranks 2-3 keep their bundles
+    assert second.names == {"id3": "10.0.0.3", "id2": "two"}
+    assert first.node_ids == ("id1", "id2") and first.groups == ["group0"]  # left as it was
+
+    # Node 2 goes too: no rank is left in the job's first group, which is removed.
+    third = placing.place_again(second, job(), [1], evicted=["id1", "id2"])
+    assert made[-1] == ("id4",) and third.node_ids == ("id3", "id4")
+    assert removed == ["group0"] and third.groups == ["group1", "group2"]
+    assert third.slots == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
 def test_choose_nodes_explains_an_impossible_job():
     with pytest.raises(PlacementImpossible) as info:
         choose_nodes(job(nodes=3), [node(1), node(2), node(3, total=1)], evicted=["id1"])
