@@ -2,8 +2,8 @@
 placed again alone, and the warm spares on the job's other nodes serve their ranks; while Ray
 still lists a lost node as alive (its health checks have not given up yet), a reservation
 pinned to a node that dies is chosen again among the live ones instead of waiting out its
-timeout, and a warm spare that died before its attempt started costs a second placement, not
-a restart. And a reservation waiting on busy nodes is given up as soon as the job is asked to
+timeout, and a warm spare that died before its attempt started costs its rank a fresh worker,
+not a restart. And a reservation waiting on busy nodes is given up as soon as the job is asked to
 stop."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_a_reservation_pinned_to_a_node_that_dies_is_chosen_again_among_the_live
 
 
 @pytest.mark.timeout(300)
-def test_a_warm_spare_that_died_costs_a_second_placement_not_a_restart(cluster):
+def test_a_warm_spare_that_died_costs_its_rank_a_fresh_worker_not_a_restart(cluster):
     # The first test's nodes are what is left: whichever two are alive and free.
     wait_until(lambda: sum(n.available.get("CPU", 0) for n in alive_nodes()) >= 4, "two free nodes")
     cfg = job("spare-died")
@@ -160,7 +160,8 @@ def test_a_warm_spare_that_died_costs_a_second_placement_not_a_restart(cluster):
                          resume_before_step=None, timeout_s=60)
         launcher.warm_spares()
         ray.get(launcher._warming, timeout=120)
-        dead = launcher._spares[3]
+        spares = list(launcher._spares)
+        dead = spares[3]
         ray.kill(dead, no_restart=True)  # after its warm-up answered: it looks ready
         # ray.kill goes through Ray's control store while a call goes straight to the actor, so
         # a call made just after the kill may still be answered: wait until the spare says dead.
@@ -169,6 +170,9 @@ def test_a_warm_spare_that_died_costs_a_second_placement_not_a_restart(cluster):
         second = launcher(cfg, attempt=1, redis_url="redis://127.0.0.1:1/0", evicted=(),
                           resume_before_step=None, timeout_s=60)
         assert dead not in second.actors
+        # The other spares serve their ranks (a launch that failed on the dead one started all
+        # four afresh).
+        assert all(actor is spare for actor, spare in zip(second.actors[:3], spares[:3], strict=True))
         where = ray.get([a.node_id.remote() for a in second.actors], timeout=60)
         assert where == bundle_nodes(second.placement)
         second.stop()

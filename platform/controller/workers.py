@@ -23,7 +23,13 @@ from longrun.checkpoint.shared import unseen_probes
 from longrun.config import JobConfig
 from longrun.controller.agents import Agents
 from longrun.controller.elastic import layout_key
-from longrun.controller.keepers import Keepers, keeper_targets, newest_committed_step
+from longrun.controller.keepers import (
+    Keepers,
+    keeper_orphan_s,
+    keeper_tag,
+    keeper_targets,
+    newest_committed_step,
+)
 from longrun.controller.outcomes import (
     RankEnded,
     dead_nodes,
@@ -90,6 +96,7 @@ class Launcher(Protocol):
 # collectives). With this set, Ray leaves the mask alone: every rank sees every GPU of its node
 # and picks its own by the GPU id Ray assigned it (worker/setup.py `worker_device`).
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+SPARE_PING_S = 5.0  # how long a warm spare has to answer before its rank starts a fresh worker
 
 
 def actor_options(cfg: JobConfig) -> dict[str, Any]:
@@ -393,7 +400,14 @@ class RayLauncher:
             return [None] * cfg.world_size
         nodes = self.placement.node_ids
         if self.keepers is None:
-            self.keepers = Keepers(cfg.job.name)
+            # Keepers a dead controller of this job left, holding its newest snapshots, are taken
+            # over (controller/keepers.py): every live node's, not only this placement's.
+            self.keepers = Keepers(cfg.job.name, keeper_tag(cfg), keeper_orphan_s(cfg))
+            try:
+                self.keepers.adopt_survivors(n.node_id for n in alive_nodes())
+            except Exception as exc:  # a shortcut: the restore falls back to storage
+                log.warning("snapshot keepers left by an earlier controller not looked for (%s)",
+                            last_line(exc))
         stored = newest_committed_step(cfg, before_step=resume_before_step)
         if self.keepers.layout not in (None, layout_key(cfg)):
             # A resize: the old layout's snapshots fit none of the new ranks, so the newest one
@@ -503,13 +517,18 @@ class RayLauncher:
             return []
         pending = [ref for ref in warming if ref is not None]
         ray.wait(pending, num_returns=len(pending), timeout=60)
+        # A spare that warmed and died since (killed, its process lost) still has its warm-up's
+        # answer: a call now finds it dead, and only its rank starts fresh, where assume() failing
+        # would have cost every rank a new process.
+        pings = {i: spare.node_id.remote() for i, spare in enumerate(spares) if spare is not None}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=SPARE_PING_S)
         taken: list[Any | None] = []
-        for spare, ref in zip(spares, warming, strict=True):
+        for i, (spare, ref) in enumerate(zip(spares, warming, strict=True)):
             if spare is None:
                 taken.append(None)
                 continue
             try:
-                ray.get(ref, timeout=0)
+                ray.get([ref, pings[i]], timeout=0)
                 taken.append(spare)
             except (RayError, ray.exceptions.GetTimeoutError) as exc:
                 log.warning("a warm spare is unusable, its rank starts a fresh worker: %s", last_line(exc))
