@@ -210,8 +210,9 @@ class Faults:
 
     def _controller_kill(self):
         """SIGKILL to `longrun run` alone (a crashed host of the driver, an OOM kill): Ray reaps
-        the actors it owned, keepers and their snapshots included; then the same command again,
-        which must take the job over once the dead controller's lease expires."""
+        the actors it owned, the workers; the snapshot keepers (detached) stay. Then the same
+        command again, which takes the job over (at once: its lease proves the holder dead on this
+        machine) and restores from the keepers."""
         runner = self.world.runner
 
         def training():

@@ -13,17 +13,15 @@ BUCKETS_TOLERANCE_S = 2.0  # the record is written on a timer: its sum may trail
 GOODPUT_AGREEMENT = 0.02  # the soak's clock and the job's ledger agree within 2% of the ledger's figure
 GOODPUT_TARGET = 0.85
 # Steps a fault may lose (the targets): one where a memory snapshot of the last step
-# survives it; a checkpoint interval where only storage does (a SIGKILLed `longrun run` takes
-# its keepers with it); two where the newest checkpoint is corrupted and skipped.
-STORAGE_KINDS = {"controller_kill": 1}
+# survives it (a SIGKILLed `longrun run` included: its keepers outlive it since 2026-11-29, when
+# its bound was a checkpoint interval); two intervals where the newest checkpoint is corrupted
+# and skipped (the fault kills every keeper, so only storage survives).
 CORRUPT_KINDS = {"checkpoint_corrupt": 2}
 
 
 def steps_lost_bound(kind: str, interval: int) -> int:
     if kind in CORRUPT_KINDS:
         return CORRUPT_KINDS[kind] * interval
-    if kind in STORAGE_KINDS:
-        return STORAGE_KINDS[kind] * interval
     return 1
 
 

@@ -147,7 +147,7 @@ def at_size(gb: float, kills: int, seed: int) -> dict:
 
     import ray
 
-    from longrun.controller.snapshot_keeper import THREADS, SnapshotKeeper
+    from longrun.controller.snapshot_keeper import KEEPER_NAMESPACE, THREADS, SnapshotKeeper
 
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
@@ -161,7 +161,7 @@ def at_size(gb: float, kills: int, seed: int) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     keeper = ray.remote(num_cpus=0, max_concurrency=THREADS)(SnapshotKeeper)  # as `Keepers.ensure` makes it
-    keeper = keeper.options(name="bench-keeper").remote()
+    keeper = keeper.options(name="bench-keeper", namespace=KEEPER_NAMESPACE).remote()
     trainee = ray.remote(num_cpus=1, max_restarts=0)(Trainee)
     runs = []
     try:

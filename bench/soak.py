@@ -24,8 +24,8 @@ Faults come from outside longrun's own injector, one at a seeded random moment o
   redis_kill          SIGKILL to redis-server, restarted 2-6 s later on the same port
   run_sigterm         SIGTERM to `longrun run` (a scheduler's preemption), then the same command
                       again
-  controller_kill     SIGKILL to `longrun run` (its Ray actors, keepers included, go with it), then
-                      the same command again
+  controller_kill     SIGKILL to `longrun run` (its workers go with it; its snapshot keepers stay
+                      for the next controller), then the same command again
   keeper_kill         SIGKILL to a snapshot keeper
   spare_kill          SIGKILL to a warm spare worker
   startup_kill        SIGKILL to a training worker, then to a worker of the next attempt while it

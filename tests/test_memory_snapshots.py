@@ -27,7 +27,7 @@ from longrun.checkpoint.memory import read_snapshot, serialize
 from longrun.config import config_from_dict
 from longrun.controller.controller import Controller, job_status
 from longrun.controller.job_state import JobRecordStore
-from longrun.controller.keepers import KEEP_STEPS, SnapshotKeeper, keeper_name
+from longrun.controller.keepers import KEEP_STEPS, KEEPER_NAMESPACE, SnapshotKeeper, keeper_name
 from longrun.goodput.summary import read_summary
 
 STEPS = 14
@@ -66,12 +66,17 @@ def reference(cluster, redis_server, tmp_path_factory):
     return committed_weights(cfg.checkpoint_dir, STEPS)
 
 
+def keeper_actor(name: str):
+    """A keeper by name: keepers live in a Ray namespace of their own (controller/keepers.py)."""
+    return ray.get_actor(name, namespace=KEEPER_NAMESPACE)
+
+
 def newest_snapshot(job: str, nodes: list[str]) -> int:
     """The newest step the keepers of `nodes` hold for every rank (0: none)."""
     held: dict[int, set[int]] = {}
     for node in nodes:
         with contextlib.suppress(ValueError):  # a keeper not there (yet, or any more)
-            keeper = ray.get_actor(keeper_name(job, node))
+            keeper = keeper_actor(keeper_name(job, node))
             for rank, steps in ray.get(keeper.holdings.remote()).items():
                 for step in steps:
                     held.setdefault(step, set()).add(rank)
@@ -185,7 +190,7 @@ def test_a_corrupted_snapshot_sends_every_rank_to_storage(cluster, reference, re
     wait_for(redis_client, cfg.job.name, state="RECOVERING")  # the restart backs off 3 s: time to corrupt
     corrupted = []
     for node in json.loads(record.fields["nodes"]):
-        keeper = ray.get_actor(keeper_name(cfg.job.name, node))
+        keeper = keeper_actor(keeper_name(cfg.job.name, node))
         for rank, steps in ray.get(keeper.holdings.remote()).items():
             for step in steps:
                 _, digest = ray.get(keeper.get.remote(rank, step))
@@ -258,7 +263,7 @@ def test_chunks_of_many_ranks_stream_to_threaded_keepers_and_back(cluster):
 
     keeper = ray.remote(num_cpus=0, max_concurrency=THREADS)(SnapshotKeeper)
     names = ["mem-stream-a", "mem-stream-b"]
-    actors = [keeper.options(name=n).remote() for n in names]
+    actors = [keeper.options(name=n, namespace=KEEPER_NAMESPACE).remote() for n in names]
     replicas = (0, 1, 2)
     weights = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: many chunks each
     try:
@@ -292,7 +297,7 @@ def test_a_killed_keeper_is_left_out_and_the_snapshots_go_on_to_the_other(cluste
 
     keeper = ray.remote(num_cpus=0, max_restarts=0)(SnapshotKeeper)
     names = ["mem-dead-a", "mem-dead-b"]
-    actors = [keeper.options(name=n).remote() for n in names]
+    actors = [keeper.options(name=n, namespace=KEEPER_NAMESPACE).remote() for n in names]
     ray.get([a.holdings.remote() for a in actors])
     weights = torch.arange(100_000, dtype=torch.float32)
     try:
@@ -314,7 +319,7 @@ def test_a_killed_keeper_is_left_out_and_the_snapshots_go_on_to_the_other(cluste
         assert snaps.failed == 1 and snaps.sent_step == 3  # no keeper left: that snapshot is lost
         # The controller starts a new keeper under the dead one's name (Keepers.revive): the
         # next send looks it up and reaches it.
-        actors.append(keeper.options(name=names[0]).remote())
+        actors.append(keeper.options(name=names[0], namespace=KEEPER_NAMESPACE).remote())
         assert snaps.take(SimpleNamespace(step=5, state_dict=lambda: {"step": 5, "model": {"w": weights}}))
         snaps.wait()
         assert snaps.failed == 1 and snaps.sent_step == 5
@@ -340,7 +345,7 @@ def test_a_keeper_killed_mid_attempt_is_replaced_by_the_next_look(cluster):
         only_first = lambda ask: set(ask) & {nodes[0]}  # noqa: E731  (Ray "lost" the second node)
         assert keepers.revive(nodes, alive=only_first) == []  # all alive: pinged, nothing else
         answered()
-        victims = [ray.get_actor(keeper_name("mem-revive", n)) for n in nodes]
+        victims = [keeper_actor(keeper_name("mem-revive", n)) for n in nodes]
         pids = [ray.get(v.__ray_call__.remote(lambda keeper: os.getpid())) for v in victims]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -349,11 +354,93 @@ def test_a_keeper_killed_mid_attempt_is_replaced_by_the_next_look(cluster):
         answered()
         # The pings to the dead keepers failed: a new one on the node Ray still lists.
         assert keepers.revive(nodes, alive=only_first) == [nodes[0]]
-        assert ray.get(ray.get_actor(keeper_name("mem-revive", nodes[0])).holdings.remote(), timeout=60) == {}
+        assert ray.get(keeper_actor(keeper_name("mem-revive", nodes[0])).holdings.remote(), timeout=60) == {}
         with pytest.raises(ValueError):
-            ray.get_actor(keeper_name("mem-revive", nodes[1]))
+            keeper_actor(keeper_name("mem-revive", nodes[1]))
     finally:
         keepers.close()
+
+
+# A controller's driver in a process of its own, killed by the test: it starts detached keepers
+# for three jobs on the given nodes (the third with a 2 s orphan timeout), gives each a snapshot
+# of step 3 for ranks 0 and 1, and says "ready" once the third's keepers, called by its
+# Keepers' thread, have lived past their timeout.
+_CONTROLLER = """
+import sys, threading, time
+import ray
+from longrun.controller.keepers import KEEPER_NAMESPACE, Keepers, keeper_name
+address, nodes = sys.argv[1], sys.argv[2].split(",")
+ray.init(address=address, logging_level="ERROR")
+for job, orphan in (("mem-survive-a", 600.0), ("mem-survive-b", 600.0), ("mem-survive-c", 2.0)):
+    Keepers(job, "tag-a", orphan).ensure(nodes)
+    keepers = [ray.get_actor(keeper_name(job, n), namespace=KEEPER_NAMESPACE) for n in nodes]
+    ray.get([k.put.remote(rank, 3, bytes(1000), "d") for k in keepers for rank in (0, 1)])
+time.sleep(3.0)  # past the third job's orphan timeout: its keepers live only if they were called
+ray.get([ray.get_actor(keeper_name("mem-survive-c", n), namespace=KEEPER_NAMESPACE).holdings.remote()
+         for n in nodes], timeout=30)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def _gone(name: str) -> bool:
+    try:
+        keeper_actor(name)
+    except ValueError:
+        return True
+    return False
+
+
+def test_keepers_outlive_a_killed_controller_for_the_next_one_of_the_same_job(cluster):
+    """The soak's controller_kill lost 10 and 5 steps: the keepers went with the controller,
+    so its rerun restored from storage. Now they are detached: the next controller of the job
+    takes them over (its tag: the same job and layout) and plans its restore from them; keepers
+    of another tag are let go; and keepers no controller calls any more end themselves."""
+    import subprocess
+    import sys
+
+    from longrun.controller.keepers import Keepers
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))[:2]
+    driver = subprocess.Popen([sys.executable, "-c", _CONTROLLER, cluster.address, ",".join(nodes)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+    finally:
+        driver.kill()  # SIGKILL: nothing of the driver's own runs after this
+        driver.wait(60)
+    successor = Keepers("mem-survive-a", "tag-a", 600)
+    try:
+        assert sorted(successor.adopt_survivors(nodes)) == nodes
+        restore = successor.plan(2, newer_than=0, before_step=None)
+        assert restore is not None and restore.step == 3
+        assert restore.keepers == {r: [keeper_name("mem-survive-a", n) for n in nodes] for r in (0, 1)}
+    finally:
+        successor.close()
+    stranger = Keepers("mem-survive-b", "tag-of-another-layout", 600)
+    assert stranger.adopt_survivors(nodes) == [] and stranger.plan(2, newer_than=0, before_step=None) is None
+    orphans = [keeper_name(job, n) for job in ("mem-survive-b", "mem-survive-c") for n in nodes]
+    deadline = time.monotonic() + 60
+    while not all(_gone(name) for name in orphans):  # let go, or ended for want of a controller
+        assert time.monotonic() < deadline, [name for name in orphans if not _gone(name)]
+        time.sleep(0.2)  # polling Ray's control store, which has no notification for it
+
+
+def test_a_keeper_no_controller_calls_ends_itself():
+    now, ended = [0.0], threading.Event()
+    keeper = SnapshotKeeper("tag", orphan_after_s=0.4, clock=lambda: now[0], end=lambda code: ended.set())
+    try:
+        assert keeper.touch() == "tag" and not keeper.orphaned(0.4)
+        now[0] = 0.3
+        keeper.holdings()  # any call is a controller's
+        now[0] = 0.6
+        assert not keeper.orphaned(0.4)
+        keeper.retag("new")
+        assert keeper.touch() == "new"
+        now[0] = 5.0  # nobody called since 0.6: its watch ends the process
+        assert ended.wait(30)
+    finally:
+        keeper.close()
 
 
 def test_the_controller_looks_at_its_keepers_every_few_seconds():
@@ -387,14 +474,14 @@ def test_the_next_attempt_sends_to_a_new_keeper_where_one_was_killed(cluster, tm
     launcher = SimpleNamespace(placement=SimpleNamespace(node_ids=nodes), keepers=None)
     try:
         first = RayLauncher._snapshot_plans(launcher, cfg, None)
-        victim = ray.get_actor(keeper_name(cfg.job.name, nodes[0]))
+        victim = keeper_actor(keeper_name(cfg.job.name, nodes[0]))
         pid = ray.get(victim.__ray_call__.remote(lambda keeper: os.getpid()))
         os.kill(pid, signal.SIGKILL)  # as the soak's keeper_kill does
         psutil.Process(pid).wait(timeout=60)
         second = RayLauncher._snapshot_plans(launcher, cfg, None)
         assert [p["targets"] for p in second] == [p["targets"] for p in first]
         for name in {t for p in second for t in p["targets"]}:
-            assert ray.get(ray.get_actor(name).holdings.remote(), timeout=30) == {}, name
+            assert ray.get(keeper_actor(name).holdings.remote(), timeout=30) == {}, name
     finally:
         if launcher.keepers is not None:
             launcher.keepers.close()
@@ -420,7 +507,8 @@ def test_a_bad_copy_is_passed_over_for_the_peer_copy(cluster, tmp_path):
         blob, digest = serialize(localize(source.state_dict())[0])
         want = {k: v.clone() for k, v in source.model.state_dict().items()}
     keeper = ray.remote(num_cpus=0)(SnapshotKeeper)
-    good, bad = (keeper.options(name=f"mem-copies-{n}").remote() for n in ("good", "bad"))
+    good, bad = (keeper.options(name=f"mem-copies-{n}", namespace=KEEPER_NAMESPACE).remote()
+                 for n in ("good", "bad"))
     ray.get([bad.put.remote(0, 2, blob[:-1] + b"x", digest), good.put.remote(0, 2, blob, digest)])
     try:
         with Trainer(cfg, progress=False) as fresh:

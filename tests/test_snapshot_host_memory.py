@@ -102,7 +102,7 @@ def test_a_send_gives_up_on_keepers_that_take_no_chunk(monkeypatch):
             raise AssertionError("waited on the keepers without a timeout")
         return [], refs  # nothing taken in time
 
-    monkeypatch.setattr(transfer.ray, "get_actor", lambda name: Keeper())
+    monkeypatch.setattr(transfer.ray, "get_actor", lambda name, namespace=None: Keeper())
     monkeypatch.setattr(transfer.ray, "put", lambda chunk: object())
     monkeypatch.setattr(transfer.ray, "wait", wait)
     monkeypatch.setattr(transfer.ray, "cancel", cancelled.append)
@@ -148,7 +148,7 @@ def test_a_send_keeps_no_more_than_its_window_in_flight(monkeypatch):
         in_flight.difference_update(done)
         return done, refs[num_returns:]
 
-    monkeypatch.setattr(transfer.ray, "get_actor", lambda name: Keeper())
+    monkeypatch.setattr(transfer.ray, "get_actor", lambda name, namespace=None: Keeper())
     monkeypatch.setattr(transfer.ray, "put", lambda chunk: object())
     monkeypatch.setattr(transfer.ray, "wait", wait)
     monkeypatch.setattr(transfer.ray, "get", lambda ref: None)

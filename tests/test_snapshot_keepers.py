@@ -57,6 +57,17 @@ def test_a_stop_between_attempts_commits_the_snapshots_and_says_what_was_kept(re
     assert "nothing trained" not in c.summary["reason"]
 
 
+def test_a_keepers_tag_tells_the_job_its_data_and_its_layout_apart(tmp_path):
+    from longrun.controller.keepers import keeper_tag
+
+    base = _elastic(tmp_path, 3)
+    assert keeper_tag(base) == keeper_tag(_elastic(tmp_path, 3))
+    assert keeper_tag(base) != keeper_tag(_elastic(tmp_path, 2))  # another layout's pieces
+    assert keeper_tag(base) != keeper_tag(_elastic(tmp_path / "other", 3))  # another checkpoint dir
+    reseeded = config_from_dict(base.model_dump(mode="json") | {"job": base.job.model_dump() | {"seed": 9}})
+    assert keeper_tag(base) != keeper_tag(reseeded)  # the same name and layout, other data
+
+
 def test_keepers_on_nodes_the_job_left_are_let_go(monkeypatch):
     killed = []
     monkeypatch.setattr(keepers_mod.ray, "kill", lambda actor, no_restart=True: killed.append(actor))

@@ -26,13 +26,26 @@ steps, so they hold the same ones) and lists, per rank, every keeper holding it;
 fetches its own blob, its node's keeper first, then the others in turn, verifying (xxh3 per
 chunk); the replicas of a shard swap their parts over their group; and all fall back to storage
 together only if some rank finds no good copy (checkpoint/memory.py, worker/snapshots.py).
-Keepers are the controller's actors: they go when it goes, and a keeper on a node the job no
-longer uses goes once the attempt that might restore from it trains (`Keepers.prune`).
+A keeper on a node the job no longer uses goes once the attempt that might restore from it
+trains (`Keepers.prune`), and all go when the job ends (`close`). A controller that dies (killed,
+its host lost) leaves them: they are detached actors, so the next controller of the job (a
+rerun, or a resubmission) finds them by name (`adopt_survivors`) and restores from memory what
+the dead one would have, instead of from the last committed checkpoint (the hour's soak lost 10
+and 5 steps to its two `controller_kill`s so). It takes only keepers whose tag (`keeper_tag`: the
+job's identity, checkpoint directory and layout) is its own; others hold another job's state, or
+another layout's, and are let go. While a controller holds them it calls each every
+`orphan_after_s / 5` (`touch`, from a thread: the controller may wait for nodes for long); a
+keeper no controller has called for `orphan_after_s` (the lease's expiry and five minutes: time
+for the next controller to take over) ends itself (snapshot_keeper.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +58,37 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from longrun.checkpoint.layout import committed_steps
 from longrun.checkpoint.lineage import FenceError, fenced_steps
 from longrun.config import JobConfig
+from longrun.config.identity import job_identity
+from longrun.controller.elastic import layout_key
+from longrun.controller.lease import lease_ttl_s
+from longrun.controller.outcomes import last_line
 from longrun.controller.snapshot_commit import commit_in_parallel
-from longrun.controller.snapshot_keeper import KEEP_STEPS, THREADS, SnapshotKeeper, keeper_name
+from longrun.controller.snapshot_keeper import (
+    KEEP_STEPS,
+    KEEPER_NAMESPACE,
+    THREADS,
+    SnapshotKeeper,
+    keeper_name,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KEEP_STEPS", "Keepers", "MemoryRestore", "SnapshotKeeper", "keeper_name", "keeper_targets",
-           "newest_committed_step"]
+__all__ = ["KEEPER_NAMESPACE", "KEEP_STEPS", "Keepers", "MemoryRestore", "SnapshotKeeper", "keeper_name",
+           "keeper_tag", "keeper_targets", "newest_committed_step"]
+
+ORPHAN_MARGIN_S = 300.0  # beyond the lease's expiry: how long keepers wait for a dead controller's successor
+
+
+def keeper_tag(cfg: JobConfig) -> str:
+    """What a keeper's snapshots are of: the job (name, checkpoint directory, identity) and the
+    layout its ranks' pieces belong to. A controller restores only from keepers of its own tag."""
+    what = [cfg.job.name, cfg.checkpoint_dir, job_identity(cfg), repr(layout_key(cfg))]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def keeper_orphan_s(cfg: JobConfig) -> float:
+    """How long a keeper waits without a controller's call before it ends itself."""
+    return lease_ttl_s(cfg.health.store_patience_s) + ORPHAN_MARGIN_S
 
 
 @dataclass(frozen=True)
@@ -86,14 +123,18 @@ def keeper_targets(node_ids: Sequence[str], rank: int, per_node: int, job: str) 
 
 
 class Keepers:
-    """The controller's side: one keeper per node the job has used, created on demand."""
+    """The controller's side: one keeper per node the job has used, created on demand. `tag`
+    (`keeper_tag`) marks what they hold; with `orphan_after_s` they are detached and kept
+    alive by this object's calls (see the module docstring), without it they go with the driver."""
 
-    def __init__(self, job: str):
-        self.job = job
+    def __init__(self, job: str, tag: str = "", orphan_after_s: float | None = None):
+        self.job, self.tag, self.orphan_after_s = job, tag, orphan_after_s
         self._actors: dict[str, Any] = {}  # node id -> keeper
         self._pings: dict[str, Any] = {}  # node id -> a holdings() call sent by the last revive()
         self.layout: Hashable | None = None  # the layout the held snapshots were taken at
         self.layout_cfg: JobConfig | None = None  # its config (what `persist` writes them as)
+        self._closed = threading.Event()
+        self._toucher: threading.Thread | None = None
 
     def adopt(self, layout: Hashable, cfg: JobConfig | None = None) -> bool:
         """Hold snapshots of `layout` (whose config is `cfg`) from now on; True when the layout
@@ -105,8 +146,81 @@ class Keepers:
         changed = self.layout is not None
         if changed:
             self.drop_after(-1)  # before the layout is noted: a failed drop is tried again
+            if cfg is not None:  # what they hold from now on is the new layout's
+                self._retag(keeper_tag(cfg))
         self.layout, self.layout_cfg = layout, cfg
         return changed
+
+    def _retag(self, tag: str) -> None:
+        self.tag = tag
+        self._call_all("retag", tag)
+
+    def _call_all(self, method: str, *args: Any, timeout_s: float = 30.0) -> None:
+        """`method(*args)` on every keeper; one that does not answer (gone with its node) is
+        forgotten itself."""
+        refs = {node: getattr(actor, method).remote(*args) for node, actor in self._actors.items()}
+        for node, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                self._forget(node, exc)
+
+    def adopt_survivors(self, node_ids: Iterable[str], timeout_s: float = 10.0) -> list[str]:
+        """The keepers of this job on `node_ids` that a controller before this one left (it died):
+        kept when their tag is this one's, let go otherwise; the nodes kept."""
+        kept = []
+        for node in node_ids:
+            if node in self._actors:
+                continue
+            try:
+                actor = ray.get_actor(keeper_name(self.job, node), namespace=KEEPER_NAMESPACE)
+            except ValueError:  # none there
+                continue
+            try:
+                tag = ray.get(actor.touch.remote(), timeout=timeout_s)
+            except (RayError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("a snapshot keeper left on node %s did not answer (%s): let go", node[:12],
+                            last_line(exc))
+                ray.kill(actor, no_restart=True)
+                continue
+            if tag != self.tag:
+                log.warning("a snapshot keeper left on node %s holds another job's or layout's snapshots "
+                            "(tag %s, this job's %s): let go", node[:12], tag, self.tag)
+                ray.kill(actor, no_restart=True)
+                continue
+            self._actors[node] = actor
+            kept.append(node)
+        if kept:
+            log.warning("found %d snapshot keeper(s) the job's previous controller left (node(s) %s): "
+                        "what they hold is restored from if it is newer than storage", len(kept),
+                        ", ".join(n[:12] for n in kept))
+            self._keep_touching()
+        return kept
+
+    def _keep_touching(self) -> None:
+        """Call every keeper every orphan_after_s / 5 from a thread of this object's, so that none
+        ends itself while the controller holds it, whatever state the job is in."""
+        if self.orphan_after_s is None or self._toucher is not None:
+            return
+
+        def touch() -> None:
+            pending: list[Any] = []
+            while not self._closed.wait(self.orphan_after_s / 5):
+                try:
+                    done: list[Any] = []
+                    if pending:
+                        done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                    for ref in done:  # read, so Ray does not print a dead keeper's error as unhandled
+                        with contextlib.suppress(RayError):
+                            ray.get(ref)
+                    pending += [actor.touch.remote() for actor in list(self._actors.values())]
+                except Exception as exc:  # a GCS restarting: called again at the next round
+                    if not ray.is_initialized():  # Ray shut down under it (the driver's end)
+                        return
+                    log.warning("snapshot keepers not called this round (%s)", last_line(exc))
+
+        self._toucher = threading.Thread(target=touch, name=f"longrun-keepers-{self.job}", daemon=True)
+        self._toucher.start()
 
     def persist(self, *, newer_than: int, before_step: int | None, timeout_s: float = 300.0) -> int | None:
         """Commit the newest step every rank of the held layout has a snapshot of, when newer
@@ -137,15 +251,18 @@ class Keepers:
         looks it up; `timeout_s` None: started, not waited for."""
         # Threaded: chunks from every rank sending to it are taken at once (snapshot_keeper.py).
         cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=THREADS)(SnapshotKeeper)
+        detached = {"lifetime": "detached"} if self.orphan_after_s is not None else {}
         started = []
         for node in node_ids:
             if node not in self._actors:
                 # Recorded at once, so close() finds it even if it never answers; get_if_exists:
                 # a keeper an earlier call started but could not confirm is taken, not clashed with.
                 self._actors[node] = cls.options(
-                    name=keeper_name(self.job, node), get_if_exists=True,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                    name=keeper_name(self.job, node), namespace=KEEPER_NAMESPACE, get_if_exists=True,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    **detached).remote(self.tag, self.orphan_after_s)
                 started.append(self._actors[node])
+        self._keep_touching()
         if timeout_s is not None:
             ray.get([actor.holdings.remote() for actor in started], timeout=timeout_s)
 
@@ -204,12 +321,7 @@ class Keepers:
     def drop_after(self, step: int, timeout_s: float = 30.0) -> None:
         """Every keeper forgets the snapshots of steps after `step` (see SnapshotKeeper); one
         that does not answer (gone with its node) is forgotten itself."""
-        refs = {node: actor.drop_after.remote(step) for node, actor in self._actors.items()}
-        for node, ref in refs.items():
-            try:
-                ray.get(ref, timeout=timeout_s)
-            except (RayError, ray.exceptions.GetTimeoutError) as exc:
-                self._forget(node, exc)
+        self._call_all("drop_after", step, timeout_s=timeout_s)
 
     def _forget(self, node: str, why: Exception) -> None:
         log.warning("snapshot keeper on node %s is gone (%s)", node[:12], why)
@@ -217,6 +329,7 @@ class Keepers:
         ray.kill(self._actors.pop(node), no_restart=True)  # a slow one too: its name is free for a new one
 
     def close(self) -> None:
+        self._closed.set()
         for actor in self._actors.values():
             ray.kill(actor, no_restart=True)
         self._actors.clear()

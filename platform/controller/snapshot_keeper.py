@@ -17,6 +17,13 @@ KEEP_STEPS buffers per rank exist at once (what the host budget counts, `checkpo
 A chunk of an older step than one the rank already sent belongs to a send it abandoned (timed
 out) and is ignored. Plain class; numpy only (no torch: the controller imports this module).
 
+A keeper outlives the controller that started it (a detached Ray actor, in a namespace of its
+own so that the next controller of the job finds it by name: `controller/keepers.py`): the
+snapshots of a job whose controller was killed are restored by its next one. It carries a `tag`
+(the job's identity and layout) that the next controller checks before it trusts them. One no
+controller has called for `orphan_after_s` ends itself: a killed controller that is never rerun
+must not leave every node holding a state's worth of memory.
+
 Each snapshot's buffer is a mapping of its own (`_buffer`), handed back to the system when the
 snapshot is dropped. From the heap, a rank's part below glibc's largest mmap threshold (32 MiB)
 lands in one of the 32 serving threads' arenas, whose freed holes are kept and rarely fit the
@@ -25,8 +32,12 @@ next buffer: the quick soak's keepers (16 MiB parts) grew 410 -> 671 MiB in 4 mi
 
 from __future__ import annotations
 
+import logging
 import mmap
+import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +45,9 @@ import numpy as np
 
 KEEP_STEPS = 2  # per rank: the newest complete snapshot survives while the next is sent
 THREADS = 32  # calls a keeper serves at once: chunks of every rank sending to it
+KEEPER_NAMESPACE = "longrun-keepers"  # Ray namespace of the keepers: every controller's driver finds them
+
+log = logging.getLogger(__name__)
 
 
 def _buffer(nbytes: int) -> np.ndarray:
@@ -59,14 +73,52 @@ class _Receiving:
 
 
 class SnapshotKeeper:
-    def __init__(self) -> None:
+    """`tag`: what the snapshots it holds are of (see the module docstring); `orphan_after_s`:
+    end the process after this long without a call (None: never). `clock`, and `end` (how the
+    process ends): for tests."""
+
+    def __init__(self, tag: str = "", orphan_after_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, end: Callable[[int], Any] = os._exit) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, dict[int, tuple[np.ndarray, str]]] = {}  # rank -> step -> (blob, digest)
         self._receiving: dict[int, _Receiving] = {}  # rank -> its send in flight (one at most)
+        self._tag, self._clock, self._end = tag, clock, end
+        self._contact = clock()  # the last call's time
+        self._stop = threading.Event()
+        if orphan_after_s is not None:
+            threading.Thread(target=self._watch, args=(orphan_after_s,), daemon=True,
+                             name="longrun-keeper-orphan").start()
+
+    def touch(self) -> str:
+        """A controller's call that it still holds this keeper; the keeper's tag."""
+        self._contact = self._clock()
+        return self._tag
+
+    def retag(self, tag: str) -> None:
+        """The snapshots from now on are of `tag` (a layout change, with everything held dropped)."""
+        self._contact = self._clock()
+        self._tag = tag
+
+    def orphaned(self, after_s: float) -> bool:
+        """No call for longer than `after_s`: the controller that held it is gone for good."""
+        return self._clock() - self._contact > after_s
+
+    def _watch(self, after_s: float) -> None:
+        while not self._stop.wait(min(after_s / 4, 30.0)):
+            if self.orphaned(after_s):
+                log.warning("no controller has called this snapshot keeper for %.0f s: it ends, and "
+                            "its %.1f MB of snapshots with it", after_s, self.nbytes() / 1e6)
+                self._end(0)
+                return
+
+    def close(self) -> None:
+        """Stop watching (tests; a keeper's process ends with it otherwise)."""
+        self._stop.set()
 
     def put_chunk(self, rank: int, step: int, offset: int, chunk: Any, nbytes: int, digest: str) -> None:
         """Bytes [offset, offset + len(chunk)) of `rank`'s snapshot of `step` (`nbytes` long,
         `digest` its checksum): complete once every byte has come."""
+        self._contact = self._clock()
         data = np.frombuffer(memoryview(chunk).cast("B"), dtype=np.uint8)
         with self._lock:
             held = self._held.setdefault(rank, {})
@@ -132,6 +184,7 @@ class SnapshotKeeper:
 
     def holdings(self) -> dict[int, list[int]]:
         """rank -> the steps held complete for it."""
+        self._contact = self._clock()
         with self._lock:
             return {rank: sorted(steps) for rank, steps in self._held.items()}
 

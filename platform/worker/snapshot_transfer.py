@@ -38,6 +38,7 @@ from longrun.checkpoint.snapshot_blob import (
     chunk_digests,
     read_parts,
 )
+from longrun.controller.snapshot_keeper import KEEPER_NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def snapshot_sender(rank: int, targets: list[str], timeout_s: float | None = Non
 
     def look_up(name: str, *, first: bool) -> None:
         try:
-            keepers[name] = ray.get_actor(name)
+            keepers[name] = ray.get_actor(name, namespace=KEEPER_NAMESPACE)
         except ValueError as exc:  # Ray's word for a named actor it cannot find
             if first:
                 log.warning("snapshot keeper %s not found (%s); rank %d sends to the others", name, exc, rank)
@@ -166,7 +167,7 @@ def fetch_blob(rank: int, step: int, names: list[str]) -> tuple[tuple[np.ndarray
     for name in names:
         try:
             started = time.perf_counter()
-            got = _fetch_from(ray.get_actor(name), rank, step)
+            got = _fetch_from(ray.get_actor(name, namespace=KEEPER_NAMESPACE), rank, step)
             took = time.perf_counter() - started
             megabytes = got[0].size / 1e6
             log.info("rank %d's snapshot of step %d fetched from %s: %.0f MB in %.2f s (%.0f MB/s)", rank,
