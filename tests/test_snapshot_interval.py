@@ -162,6 +162,19 @@ def test_memory_interval_steps_is_auto_by_default(value, every, monkeypatch):
     assert (made.auto is None) == (every is not None) and made.every == (every or 1)
 
 
+def test_sizing_the_sends_outside_ray_does_not_start_a_ray():
+    # memory_snapshots() sizes its chunks by the node's object store; asked by a process not
+    # connected to Ray (a test, a tool), `ray.nodes()` started a local Ray, which the next
+    # module's `ray.init(address=...)` then met ("called ray.init twice").
+    import subprocess
+    import sys
+
+    probe = ("import ray\nfrom longrun.worker.snapshot_transfer import node_object_store_bytes\n"
+             "assert node_object_store_bytes() is None\nassert not ray.is_initialized()\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_driver_says_which_interval_the_ranks_chose_and_when_it_changes():
     from longrun.controller.user_view import SnapshotInterval
     from longrun.goodput.accounting import StepRecord

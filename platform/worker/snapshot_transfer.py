@@ -74,7 +74,10 @@ def transfer_sizes(store_bytes: int | None) -> tuple[int, int]:
 
 
 def node_object_store_bytes() -> int | None:
-    """The capacity of this process's node's Ray object store (None when Ray does not say)."""
+    """The capacity of this process's node's Ray object store (None when Ray does not say, or
+    this process is not connected to Ray: asking would start a Ray of its own)."""
+    if not ray.is_initialized():
+        return None
     try:
         node = ray.get_runtime_context().get_node_id()
         for info in ray.nodes():
