@@ -217,8 +217,17 @@ class Placement:
                                                 placement_group_bundle_index=bundle)
 
     def remove(self) -> None:
-        for group in self.groups:
+        remove_groups(self.groups)
+
+
+def remove_groups(groups: Iterable[PlacementGroup]) -> None:
+    """Remove each group; one that cannot be (gone with its nodes already) is logged, and the
+    others are still removed."""
+    for group in groups:
+        try:
             remove_placement_group(group)
+        except Exception as exc:  # Ray's errors for a group it no longer has
+            log.warning("removing a placement group: %s", exc)
 
 
 def _reserve(cfg: JobConfig, nodes: list[NodeInfo], name: str, deadline: float, timeout_s: float,
@@ -294,12 +303,7 @@ def place_again(placement: Placement, cfg: JobConfig, indices: Iterable[int], *,
         for k, rank in enumerate(placement.ranks_on(index)):
             slots[rank] = (len(groups) - 1, j * per_node + k)
     used = sorted({g for g, _ in slots})
-    for g, old in enumerate(groups):
-        if g not in used:
-            try:
-                remove_placement_group(old)
-            except Exception as exc:  # gone with its nodes already
-                log.warning("removing a placement group no rank uses any more: %s", exc)
+    remove_groups(old for g, old in enumerate(groups) if g not in used)  # no rank uses them any more
     renumber = {g: i for i, g in enumerate(used)}
     return Placement([groups[g] for g in used], tuple(node_ids), per_node,
                      {n: names[n] for n in node_ids}, [(renumber[g], b) for g, b in slots])

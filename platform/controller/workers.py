@@ -464,10 +464,7 @@ class RayLauncher:
                 ray.kill(spare, no_restart=True)
         self._spares, self._warming = [], []
         if self.placement is not None:
-            try:
-                self.placement.remove()
-            except Exception as exc:  # the group may already be gone with its node
-                log.warning("removing placement group: %s", exc)
+            self.placement.remove()  # each group, even where another is gone with its node
             self.placement = None
 
     def _new_actor(self, cfg: JobConfig, rank: int, tag: str) -> Any:
