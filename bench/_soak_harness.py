@@ -401,15 +401,17 @@ class Soak:
     # -- the report ---------------------------------------------------------------------------
     def _report(self, wall_s: float, record: dict[str, str], injected: list[Injected],
                 goodput: dict[str, Any] | None, failure: str | None, warm_s: float) -> dict[str, Any]:
-        from _soak_report import by_kind, fault_outcomes, goodput_summary
+        from _soak_report import by_kind, fault_outcomes, goodput_summary, snapshot_intervals
 
         steps_done = int(float(record.get("step", 0)))
         for fault in injected:
             fault.reported_end = self.steps.last_seen(fault.attempt)
         log_text = self.runner.log.read_text(errors="replace") if self.runner.log.exists() else ""
+        intervals = snapshot_intervals(self.workdir / "out" / JOB / "logs")
         outcomes = fault_outcomes(injected, goodput, steps_done=steps_done,
                                   finished=failure is None and record.get("state") == "SUCCEEDED",
-                                  restores=self.steps.restores, interval=INTERVAL_STEPS, log_text=log_text)
+                                  restores=self.steps.restores, interval=INTERVAL_STEPS, log_text=log_text,
+                                  memory_intervals=intervals)
         lost = [o["steps_lost"] for o in outcomes if o["steps_lost"] is not None]
         counts, lost_by_kind = by_kind(outcomes)
         samples = self.probe.samples
@@ -426,6 +428,7 @@ class Soak:
             "minutes": round(wall_s / 60, 2), "planned_minutes": self.plan.minutes, "seed": self.plan.seed,
             "steps": self.plan.steps, "steps_done": steps_done, "pace_s": self.plan.pace_s,
             "state_mb": state_mb_of(self.plan.ffn_dim), "interval_steps": INTERVAL_STEPS,
+            "snapshot_intervals": {str(a): k for a, k in sorted(intervals.items())},
             "state": record.get("state"), "failure": failure,
             "faults": sum(o["injected"] for o in outcomes), "faults_planned": len(self.plan.kinds),
             "faults_by_kind": counts, "steps_lost_by_kind": lost_by_kind, "fault_log": outcomes,

@@ -22,7 +22,7 @@ JOB = "soak"
 REFERENCE_JOB = "soak-reference"
 NODES, CPUS_PER_NODE = 3, 2  # the simulated cluster: one node more than the job needs
 JOB_NODES = 2
-INTERVAL_STEPS = 10  # a storage checkpoint every 10 steps; memory snapshots every step
+INTERVAL_STEPS = 10  # a storage checkpoint every 10 steps; memory snapshots at the `auto` interval
 KEEP_LAST = 3
 MAX_ATTEMPTS = 200  # pacing is listed for this many attempts (attempts count on across reruns)
 DIM, LAYERS, VOCAB = 128, 2, 260
@@ -80,8 +80,11 @@ def soak_job(out: Path, steps: int, *, ray_address: str, redis_url: str, checkpo
     base = _base(JOB, out, steps, ffn_dim)
     return base | {
         "cluster": base["cluster"] | {"address": ray_address, "redis_url": redis_url},
+        # Memory snapshots at the default `auto` interval: every step where a send fits in one,
+        # longer where it does not (a fixed interval of 1 skipped the snapshots whose predecessor's
+        # send outlasted a step, so a fault could lose two steps against a bound of one).
         "checkpoint": {"dir": str(checkpoint_dir), "interval_steps": INTERVAL_STEPS, "keep_last": KEEP_LAST,
-                       "memory_interval_steps": 1},
+                       "memory_interval_steps": "auto"},
         # A tiny job's sub-second steps allow a fast heartbeat (as bench/recovery.py's).
         # A dead controller's lease outlives it by store_patience_s + 10 s before its rerun may
         # take the job over: 15 s rides out the soak's Redis outages (2-6 s) and keeps the wait short.

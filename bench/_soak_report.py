@@ -4,6 +4,8 @@ job's, and the issue's targets."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from _soak_steps import steps_lost_outside
@@ -12,17 +14,44 @@ DECLARED_FIELDS = ("kind", "attempt", "last_step", "restored_step", "steps_lost"
 BUCKETS_TOLERANCE_S = 2.0  # the record is written on a timer: its sum may trail its wall time a little
 GOODPUT_AGREEMENT = 0.02  # the soak's clock and the job's ledger agree within 2% of the ledger's figure
 GOODPUT_TARGET = 0.85
-# Steps a fault may lose (the issue's targets): one where a memory snapshot of the last step
-# survives it (a SIGKILLed `longrun run` included: its keepers outlive it since 2026-11-29, when
-# its bound was a checkpoint interval); two intervals where the newest checkpoint is corrupted
-# and skipped (the fault kills every keeper, so only storage survives).
+# Steps a fault may lose (the issue's targets): the memory snapshots' interval where a snapshot
+# survives it (one step where they are taken every step; a SIGKILLed `longrun run` included: its
+# keepers outlive it since 2026-11-29, when its bound was a checkpoint interval); two checkpoint
+# intervals where the newest checkpoint is corrupted and skipped (the fault kills every keeper,
+# so only storage survives).
 CORRUPT_KINDS = {"checkpoint_corrupt": 2}
+# What a rank logs each time the job's snapshot interval is chosen (checkpoint/memory.py).
+INTERVAL_LINE = re.compile(r"memory snapshots every (\d+) step")
 
 
-def steps_lost_bound(kind: str, interval: int) -> int:
+def steps_lost_bound(kind: str, interval: int, memory_every: int = 1) -> int:
     if kind in CORRUPT_KINDS:
         return CORRUPT_KINDS[kind] * interval
-    return 1
+    return memory_every
+
+
+def snapshot_intervals(logs_dir: Path) -> dict[int, int]:
+    """Attempt -> the longest memory snapshot interval its ranks chose (`auto` sets it from the
+    measured send and step, and every rank takes the slowest one's), read from the rank logs
+    (`<run_dir>/logs/attempt-A/rank-R.log`). An attempt whose ranks chose none is absent."""
+    chosen: dict[int, int] = {}
+    for log in sorted(Path(logs_dir).glob("attempt-*/rank-*.log")):
+        attempt = log.parent.name.split("-", 1)[1]
+        if not attempt.isdigit():
+            continue
+        found = [int(k) for k in INTERVAL_LINE.findall(log.read_text(errors="replace"))]
+        if found:
+            chosen[int(attempt)] = max(chosen.get(int(attempt), 0), *found)
+    return chosen
+
+
+def interval_in_force(intervals: dict[int, int], attempt: int | None) -> int:
+    """The snapshot interval a fault in `attempt` may cost: the longest chosen by that attempt
+    or any before it (an attempt struck while it still measured its first send keeps the last
+    one's); 1 where none was chosen (snapshots are taken every step while measuring)."""
+    if attempt is None:
+        return max(intervals.values(), default=1)
+    return max((k for a, k in intervals.items() if a <= attempt), default=1)
 
 
 def _declared(goodput: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -45,11 +74,14 @@ def corruption_detected(fault, mine: list[dict[str, Any]], log_text: str) -> boo
 
 
 def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int, finished: bool,
-                   restores=(), interval: int = 10, log_text: str = "") -> list[dict[str, Any]]:
+                   restores=(), interval: int = 10, log_text: str = "",
+                   memory_intervals: dict[int, int] | None = None) -> list[dict[str, Any]]:
     """Per injected fault: the faults the controller declared between it and the next one
     (the ledger's steps lost and restored step), the steps lost by the soak's own reading
     (`restores`: each attempt's restored step as the soak saw it), whether it was injected, and
-    whether the job survived it: finished, having trained past the step the fault hit."""
+    whether the job survived it: finished, having trained past the step the fault hit.
+    `interval`: the checkpoint interval; `memory_intervals`: each attempt's memory snapshot
+    interval (`snapshot_intervals`), which bounds what a fault covered by a snapshot may lose."""
     declared = _declared(goodput)
     outcomes = []
 
@@ -87,7 +119,9 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
             # fewer than the soak saw finished before the blow.
             "steps_lost_agree": None if ledger is None or outside is None or outside_end is None
             else abs(ledger - outside_end) <= 1 and outside <= ledger + 1,
-            "steps_lost_bound": steps_lost_bound(fault.kind, interval),
+            "snapshot_interval": interval_in_force(memory_intervals or {}, fault.attempt),
+            "steps_lost_bound": steps_lost_bound(fault.kind, interval,
+                                                 interval_in_force(memory_intervals or {}, fault.attempt)),
             "corrupted_step": fault.corrupted,
             "corruption_detected": corruption_detected(fault, mine, log_text),
         })

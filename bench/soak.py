@@ -12,7 +12,9 @@ and 3 nodes of 2 CPUs), a Redis of its own with an append-only file, and one `lo
 of the nodes (one rank each, dp 2; the third node is the spare) of a 2-layer model whose
 training state (fp32 weights and AdamW moments) is `--state-mb` (512 MB: its snapshot's send
 takes half a step or more here), with a storage checkpoint every 10 steps (on a tmpfs sized to
-the state) and a memory snapshot every step. Every rank sleeps `--pace` (1 s) inside each step,
+the state) and memory snapshots at the default `auto` interval (every step where a send fits in
+one, longer where it does not; each attempt's choice, read from its rank logs, is the bound on
+the steps a fault covered by a snapshot may lose). Every rank sleeps `--pace` (1 s) inside each step,
 before the optimizer update, as a large model's forward and backward take seconds: a fault's
 random moment falls in the forward, backward, update, save or snapshot by its real share.
 Faults come from outside longrun's own injector, one at a seeded random moment of each slot of

@@ -25,7 +25,7 @@ sys.path.insert(0, str(BENCH))
 from _soak_faults import KINDS, Deferred, Faults  # noqa: E402
 from _soak_harness import Plan, Soak  # noqa: E402
 from _soak_job import ffn_for, soak_job, state_mb_of  # noqa: E402
-from _soak_report import fault_outcomes, goodput_summary, targets  # noqa: E402
+from _soak_report import fault_outcomes, goodput_summary, snapshot_intervals, targets  # noqa: E402
 from _soak_steps import StepWatch  # noqa: E402
 
 
@@ -176,6 +176,35 @@ def test_steps_lost_are_bounded_by_what_survives_each_kind_of_fault():
                          for role in ("controller", "workers", "keepers")}}
     assert targets(result)["steps_lost_within_bounds"] is False  # the worker kill lost 2 > 1
     assert targets(result)["every_corruption_detected"] is None  # none injected
+
+
+def test_a_snapshot_covered_fault_may_lose_the_interval_its_attempt_chose(tmp_path):
+    # The soak's job takes memory snapshots at the `auto` interval; each attempt's ranks log the
+    # interval they agree on. A fault may lose that many steps, not more.
+    line = ("2026-11-29 11:20:01,234 INFO longrun.checkpoint.memory: memory snapshots every {} step(s) "
+            "(auto: this rank's send 1.90 s, its step 2.10 s; the slowest rank's sets it)\n")
+    logs = tmp_path / "logs"
+    for attempt, rank, chosen in ((0, 0, [1, 2]), (0, 1, [2]), (2, 0, [3])):
+        path = logs / f"attempt-{attempt}" / f"rank-{rank}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("2026-11-29 11:20:00,000 INFO longrun.worker: training begins\n"
+                        + "".join(line.format(k) for k in chosen))
+    (logs / "attempt-1").mkdir()  # struck while it still measured its first send: chose none
+    (logs / "attempt-1" / "rank-0.log").write_text("nothing chosen yet\n")
+    intervals = snapshot_intervals(logs)
+    assert intervals == {0: 2, 2: 3}
+    goodput = {"faults": [
+        {"kind": "dead", "attempt": a, "declared_at": 1000.0 + 100 * a + 2, "last_step": 10 + 10 * a,
+         "restored_step": 10 + 10 * a - lost, "steps_lost": lost, "restored_from": "memory"}
+        for a, lost in ((0, 2), (1, 3), (2, 3))]}
+    injected = [_injected("worker_kill", 1000.0 + 100 * a, 10 + 10 * a, attempt=a) for a in range(3)]
+    outcomes = fault_outcomes(injected, goodput, steps_done=100, finished=True, memory_intervals=intervals)
+    assert [(o["snapshot_interval"], o["steps_lost_bound"]) for o in outcomes] == [(2, 2), (2, 2), (3, 3)]
+    # Attempt 1 inherits attempt 0's interval: its 3 steps lost are one over it.
+    assert [o["steps_lost"] <= o["steps_lost_bound"] for o in outcomes] == [True, False, True]
+    # Without any chosen interval (snapshots every step), one step is the bound.
+    assert {o["steps_lost_bound"] for o in fault_outcomes(injected, goodput, steps_done=100,
+                                                          finished=True)} == {1}
 
 
 def test_a_corruption_counts_as_detected_only_when_a_storage_restore_skipped_it():
