@@ -46,14 +46,22 @@ EXIT_PREEMPTED = 75
 STARTUP_EST_S = 40.0  # `longrun run` to the first step on this machine (torch, Ray, placement)
 # What a fault costs here; half is counted, so the job runs a little long rather than short.
 FAULT_COST_EST_S = 12.0
-# The model's step on top of the pacing, per MB of state: measured at 512 MB on the 2-core machine
-# (2026-11-29: about 5 s a paced step with a snapshot sent every step, the update, the save every 10
-# steps and three keepers all sharing the cores); a little low, so the job outlasts its faults
-# rather than ending before the last.
-COMPUTE_EST_S_PER_MB = 0.0075
+# The model's step on top of the pacing: a fixed part (the update's and the ledger's bookkeeping)
+# and a part per MB of state. Measured on the 2-core machine at 512 MB (2026-11-29, snapshots at
+# the auto interval, the save every 10 steps and three keepers sharing the cores): about 1.8 s a
+# paced step, 1.9 s with the faults' restarts (it was 5 s on the slower VM of 2026-11-26, when the
+# estimate was 0.0075 s per MB and the hour's job ended after half its faults on this one). A
+# little low, so the job outlasts its faults rather than ending before the last.
+STEP_FIXED_EST_S = 0.1
+COMPUTE_EST_S_PER_MB = 0.0012
 # The default state: each rank's half sent to the keepers at the 0.18-0.36 GB/s of bench/lose_no_step.py's
 # 3 GB run (a snapshot every 2 steps of 8.4 s) takes half a paced step or more.
 STATE_MB = 512.0
+
+
+def estimated_step_s(pace_s: float, state_mb: float) -> float:
+    """A paced step's estimated seconds on this machine: the pacing and the model's own."""
+    return pace_s + STEP_FIXED_EST_S + COMPUTE_EST_S_PER_MB * state_mb
 
 
 @dataclass
@@ -73,7 +81,7 @@ class Plan:
     @property
     def step_s(self) -> float:
         """A paced step's estimated seconds on this machine: the pacing and the model's own."""
-        return self.pace_s + COMPUTE_EST_S_PER_MB * self.state_mb
+        return estimated_step_s(self.pace_s, self.state_mb)
 
     @classmethod
     def of(cls, minutes: float, *, seed: int, every_s: float | None = None, kinds: list[str] | None = None,
@@ -92,8 +100,7 @@ class Plan:
         every_s = every_s or horizon / (len(kinds) + 1)
         if steps is None:  # the job outlasts the last fault's slot by about two slots more
             busy = (len(kinds) + 2) * every_s
-            step_s = pace_s + COMPUTE_EST_S_PER_MB * state_mb  # as `step_s` below
-            steps = int((busy - len(kinds) * FAULT_COST_EST_S / 2) / step_s)
+            steps = int((busy - len(kinds) * FAULT_COST_EST_S / 2) / estimated_step_s(pace_s, state_mb))
         return cls(minutes, kinds, every_s, pace_s, max(steps, 20), seed, state_mb)
 
 
