@@ -415,6 +415,7 @@ class Soak:
             fault.reported_end = self.steps.last_seen(fault.attempt)
         log_text = self.runner.log.read_text(errors="replace") if self.runner.log.exists() else ""
         intervals = snapshot_intervals(self.workdir / "out" / JOB / "logs")
+        wall_at_zero = time.time() - self.clock()
         outcomes = fault_outcomes(injected, goodput, steps_done=steps_done,
                                   finished=failure is None and record.get("state") == "SUCCEEDED",
                                   restores=self.steps.restores, interval=INTERVAL_STEPS, log_text=log_text,
@@ -435,7 +436,8 @@ class Soak:
             "minutes": round(wall_s / 60, 2), "planned_minutes": self.plan.minutes, "seed": self.plan.seed,
             "steps": self.plan.steps, "steps_done": steps_done, "pace_s": self.plan.pace_s,
             "state_mb": state_mb_of(self.plan.ffn_dim), "interval_steps": INTERVAL_STEPS,
-            "snapshot_intervals": {str(a): k for a, k in sorted(intervals.items())},
+            # (attempt, the soak clock's second, interval), as the fault log's `at_s`
+            "snapshot_intervals": [[a, round(wall - wall_at_zero, 1), k] for a, wall, k in intervals],
             "state": record.get("state"), "failure": failure,
             "faults": sum(o["injected"] for o in outcomes), "faults_planned": len(self.plan.kinds),
             "faults_by_kind": counts, "steps_lost_by_kind": lost_by_kind, "fault_log": outcomes,

@@ -5,6 +5,7 @@ job's, and the issue's targets."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +31,36 @@ def steps_lost_bound(kind: str, interval: int, memory_every: int = 1) -> int:
     return memory_every
 
 
-def snapshot_intervals(logs_dir: Path) -> dict[int, int]:
-    """Attempt -> the longest memory snapshot interval its ranks chose (`auto` sets it from the
-    measured send and step, and every rank takes the slowest one's), read from the rank logs
-    (`<run_dir>/logs/attempt-A/rank-R.log`). An attempt whose ranks chose none is absent."""
-    chosen: dict[int, int] = {}
+def snapshot_intervals(logs_dir: Path) -> list[tuple[int, float, int]]:
+    """Each memory snapshot interval the job chose, as (attempt, wall time, interval) in order:
+    `auto` sets it from the measured send and step (every rank takes the slowest one's, so the
+    ranks log the same choices), read from the rank logs (`<run_dir>/logs/attempt-A/rank-R.log`,
+    whose lines begin with their local time)."""
+    chosen: set[tuple[int, float, int]] = set()
     for log in sorted(Path(logs_dir).glob("attempt-*/rank-*.log")):
         attempt = log.parent.name.split("-", 1)[1]
         if not attempt.isdigit():
             continue
-        found = [int(k) for k in INTERVAL_LINE.findall(log.read_text(errors="replace"))]
-        if found:
-            chosen[int(attempt)] = max(chosen.get(int(attempt), 0), *found)
-    return chosen
+        for line in log.read_text(errors="replace").splitlines():
+            found = INTERVAL_LINE.search(line)
+            if found is None:
+                continue
+            try:
+                at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float("0." + line[20:23])
+            except ValueError:
+                continue
+            chosen.add((int(attempt), round(at, 1), int(found.group(1))))
+    return sorted(chosen)
 
 
-def interval_in_force(intervals: dict[int, int], attempt: int | None) -> int:
-    """The snapshot interval a fault in `attempt` may cost: the longest chosen by that attempt
-    or any before it (an attempt struck while it still measured its first send keeps the last
-    one's); 1 where none was chosen (snapshots are taken every step while measuring)."""
-    if attempt is None:
-        return max(intervals.values(), default=1)
-    return max((k for a, k in intervals.items() if a <= attempt), default=1)
+def interval_in_force(intervals: list[tuple[int, float, int]], attempt: int | None, at: float) -> int:
+    """The snapshot interval a fault in `attempt` at wall time `at` may cost: the larger of the
+    last one chosen before it and the one that replaced (a shortened interval's newest snapshot
+    may have been taken at the longer one). An attempt struck while it still measured its first
+    send keeps the last attempt's; 1 where none was chosen (snapshots every step meanwhile)."""
+    before = [k for a, wall, k in intervals
+              if attempt is None or a < attempt or (a == attempt and wall <= at)]
+    return max(before[-2:], default=1)
 
 
 def _declared(goodput: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -75,7 +84,7 @@ def corruption_detected(fault, mine: list[dict[str, Any]], log_text: str) -> boo
 
 def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int, finished: bool,
                    restores=(), interval: int = 10, log_text: str = "",
-                   memory_intervals: dict[int, int] | None = None) -> list[dict[str, Any]]:
+                   memory_intervals: list[tuple[int, float, int]] = ()) -> list[dict[str, Any]]:
     """Per injected fault: the faults the controller declared between it and the next one
     (the ledger's steps lost and restored step), the steps lost by the soak's own reading
     (`restores`: each attempt's restored step as the soak saw it), whether it was injected, and
@@ -119,9 +128,9 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
             # fewer than the soak saw finished before the blow.
             "steps_lost_agree": None if ledger is None or outside is None or outside_end is None
             else abs(ledger - outside_end) <= 1 and outside <= ledger + 1,
-            "snapshot_interval": interval_in_force(memory_intervals or {}, fault.attempt),
+            "snapshot_interval": interval_in_force(memory_intervals, fault.attempt, since),
             "steps_lost_bound": steps_lost_bound(fault.kind, interval,
-                                                 interval_in_force(memory_intervals or {}, fault.attempt)),
+                                                 interval_in_force(memory_intervals, fault.attempt, since)),
             "corrupted_step": fault.corrupted,
             "corruption_detected": corruption_detected(fault, mine, log_text),
         })

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -178,30 +179,37 @@ def test_steps_lost_are_bounded_by_what_survives_each_kind_of_fault():
     assert targets(result)["every_corruption_detected"] is None  # none injected
 
 
-def test_a_snapshot_covered_fault_may_lose_the_interval_its_attempt_chose(tmp_path):
-    # The soak's job takes memory snapshots at the `auto` interval; each attempt's ranks log the
-    # interval they agree on. A fault may lose that many steps, not more.
-    line = ("2026-11-29 11:20:01,234 INFO longrun.checkpoint.memory: memory snapshots every {} step(s) "
-            "(auto: this rank's send 1.90 s, its step 2.10 s; the slowest rank's sets it)\n")
+def test_a_snapshot_covered_fault_may_lose_the_interval_in_force_when_it_struck(tmp_path):
+    # The soak's job takes memory snapshots at the `auto` interval; the ranks log each interval
+    # they agree on. A fault may lose the interval in force when it struck (or the one that just
+    # replaced it: the newest snapshot may have been taken at it), not more.
+    def line(clock: str, k: int) -> str:
+        return (f"2026-11-29 11:20:{clock} INFO longrun.checkpoint.memory: "
+                f"memory snapshots every {k} step(s) "
+                "(auto: this rank's send 1.90 s, its step 2.10 s; the slowest rank's sets it)\n")
     logs = tmp_path / "logs"
-    for attempt, rank, chosen in ((0, 0, [1, 2]), (0, 1, [2]), (2, 0, [3])):
+    for attempt, rank, chosen in ((0, 0, [("01,000", 3), ("11,500", 2), ("21,000", 2)]),
+                                  (0, 1, [("01,000", 3)]), (2, 0, [("50,000", 1)])):
         path = logs / f"attempt-{attempt}" / f"rank-{rank}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("2026-11-29 11:20:00,000 INFO longrun.worker: training begins\n"
-                        + "".join(line.format(k) for k in chosen))
+                        + "".join(line(clock, k) for clock, k in chosen))
     (logs / "attempt-1").mkdir()  # struck while it still measured its first send: chose none
     (logs / "attempt-1" / "rank-0.log").write_text("nothing chosen yet\n")
     intervals = snapshot_intervals(logs)
-    assert intervals == {0: 2, 2: 3}
+    zero = time.mktime(time.strptime("2026-11-29 11:20:00", "%Y-%m-%d %H:%M:%S"))
+    assert [(a, round(wall - zero, 1), k) for a, wall, k in intervals] == [(0, 1.0, 3), (0, 11.5, 2),
+                                                                           (0, 21.0, 2), (2, 50.0, 1)]
+    struck = [(0, 5.0), (0, 15.0), (0, 25.0), (1, 40.0), (2, 55.0)]  # (attempt, seconds after 11:20)
     goodput = {"faults": [
-        {"kind": "dead", "attempt": a, "declared_at": 1000.0 + 100 * a + 2, "last_step": 10 + 10 * a,
-         "restored_step": 10 + 10 * a - lost, "steps_lost": lost, "restored_from": "memory"}
-        for a, lost in ((0, 2), (1, 3), (2, 3))]}
-    injected = [_injected("worker_kill", 1000.0 + 100 * a, 10 + 10 * a, attempt=a) for a in range(3)]
+        {"kind": "dead", "attempt": a, "declared_at": zero + at + 2, "last_step": 10 + i,
+         "restored_step": 10 + i - 3, "steps_lost": 3, "restored_from": "memory"}
+        for i, (a, at) in enumerate(struck)]}
+    injected = [_injected("worker_kill", zero + at, 10 + i, attempt=a) for i, (a, at) in enumerate(struck)]
     outcomes = fault_outcomes(injected, goodput, steps_done=100, finished=True, memory_intervals=intervals)
-    assert [(o["snapshot_interval"], o["steps_lost_bound"]) for o in outcomes] == [(2, 2), (2, 2), (3, 3)]
-    # Attempt 1 inherits attempt 0's interval: its 3 steps lost are one over it.
-    assert [o["steps_lost"] <= o["steps_lost_bound"] for o in outcomes] == [True, False, True]
+    # 3 in force; 2 just replaced 3; 2 after 2; attempt 1 keeps attempt 0's; 1 just replaced 2.
+    assert [o["snapshot_interval"] for o in outcomes] == [3, 3, 2, 2, 2]
+    assert [o["steps_lost"] <= o["steps_lost_bound"] for o in outcomes] == [True, True, False, False, False]
     # Without any chosen interval (snapshots every step), one step is the bound.
     assert {o["steps_lost_bound"] for o in fault_outcomes(injected, goodput, steps_done=100,
                                                           finished=True)} == {1}
