@@ -37,7 +37,8 @@ Progress goes to stderr; the last line on stdout is one JSON object.
 Issue 40's switches (each works with `--device cpu --tiny` too):
 
     --compile auto|none|blocks|model training.compile (default auto: blocks on CUDA; none: eager)
-    --ac none|full|selective         training.activation_checkpointing
+    --ac none|full|selective|budget  training.activation_checkpointing
+    --ac-budget B                    training.activation_memory_budget (with --ac budget; 0.5)
     --profile                        device time of one profiled step by kind (matmul,
                                      elementwise, attention, communication, other), the
                                      share of the step the device was busy, and the 12
@@ -73,14 +74,15 @@ log = logger("mfu_gpu")
 
 
 def make_config(model: dict, device: str, tokens: int, grad_accum: int, steps: int, *,
-                compile_mode: str = "none", ac: str = "none"):
+                compile_mode: str = "none", ac: str = "none", ac_budget: float = 0.5):
     return config_from_dict({
         "job": {"name": "bench-mfu-gpu", "seed": 0},
         "cluster": {"device": device},
         "model": model,
         "data": {"source": "synthetic", "micro_batch_tokens": tokens, "prefetch": 4},
         "training": {"steps": steps, "warmup_steps": min(10, steps), "grad_accum": grad_accum,
-                     "dtype": "bfloat16", "compile": compile_mode, "activation_checkpointing": ac},
+                     "dtype": "bfloat16", "compile": compile_mode, "activation_checkpointing": ac,
+                     "activation_memory_budget": ac_budget},
     })
 
 
@@ -114,8 +116,10 @@ def parse_args():
                      help="the GPU's bf16 dense peak in TFLOP/s (overrides the table)")
     cli.add_argument("--compile", choices=("auto", "none", "blocks", "model"), default="auto",
                      help="training.compile (default auto: blocks on CUDA)")
-    cli.add_argument("--ac", choices=("none", "full", "selective"), default="none",
+    cli.add_argument("--ac", choices=("none", "full", "selective", "budget"), default="none",
                      help="training.activation_checkpointing (default none)")
+    cli.add_argument("--ac-budget", type=float, default=0.5,
+                     help="training.activation_memory_budget, with --ac budget (default 0.5)")
     cli.add_argument("--profile", action="store_true",
                      help="device time of one profiled step by kind, and the busy share")
     cli.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
@@ -142,7 +146,7 @@ def main() -> None:
     gpu, peak, source = peak_of(args)
 
     cfg = make_config(model, args.device, tokens, grad_accum, warmup + steps + 2,
-                      compile_mode=args.compile, ac=args.ac)
+                      compile_mode=args.compile, ac=args.ac, ac_budget=args.ac_budget)
     trainer = Trainer(cfg, peak_flops=peak, progress=False)
     bf16_parameters = bool(getattr(trainer.parallel, "casts_parameters", False))
     n_params = trainer.model.num_params()
@@ -177,6 +181,7 @@ def main() -> None:
         "params": n_params, "params_non_embedding": n_body,
         "config": {**model, "micro_batch_tokens": tokens, "grad_accum": grad_accum, "dtype": "bfloat16",
                    "compile": args.compile, "activation_checkpointing": args.ac,
+                   "activation_memory_budget": args.ac_budget if args.ac == "budget" else None,
                    "bf16_parameters": bf16_parameters,
                    "data": "synthetic", "warmup": warmup, "steps": steps, "torch": torch.__version__},
         "dry_run": args.device == "cpu",

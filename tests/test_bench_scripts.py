@@ -231,3 +231,14 @@ def test_mfu_benchmark_dry_run_exercises_the_measurement_path():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["dry_run"] is True and result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1
     assert result["attention"].startswith("bucketed_sdpa")
+
+
+@pytest.mark.slow  # compiles the tiny model's blocks: a minute on two cores
+def test_mfu_benchmark_dry_run_takes_a_compiled_memory_budget():
+    out = _run("--device", "cpu", "--tiny", "--compile", "blocks", "--ac", "budget", "--ac-budget", "0.3")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    config = result["config"]
+    assert (config["compile"], config["activation_checkpointing"], config["activation_memory_budget"]) == (
+        "blocks", "budget", 0.3)
+    assert result["tokens_per_s"] > 0 and result["recompiles"] is not None

@@ -11,11 +11,14 @@ from __future__ import annotations
 import compile_workers as w
 import pytest
 import torch
+import torch._functorch.config
+from saved_tensors import kept_bytes
 from worlds import run_world
 
 from longrun.config import ConfigError, config_from_dict
 from longrun.parallel.compile import compile_counts
 from longrun.trainer import Trainer
+from longrun.trainer.model import blocks
 
 
 def _cfg(compile_mode: str, steps: int = 30, **training):
@@ -112,6 +115,46 @@ def test_compile_mode_is_checked_where_it_is_set():
     with pytest.raises(ConfigError, match=r"training\.compile: 'model' with activation_checkpointing 'full'"):
         _cfg("model", activation_checkpointing="full")
     assert _cfg("blocks", activation_checkpointing="full").training.compile == "blocks"
+
+
+@pytest.mark.timeout(600)  # three cold compilations of a tiny model
+def test_a_memory_budget_is_kept_inside_the_compiled_blocks():
+    """activation_checkpointing: budget hooks nothing and leaves the choice to the compiler's
+    partitioner: compiled blocks under a budget keep less for backward than compiled blocks
+    without checkpointing (and more under a larger budget), and train to the same losses (what
+    is recomputed is the same arithmetic); a model built after it is partitioned without it."""
+    kept, losses = {}, {}
+    for name, training in (("none", {}), ("budget 0.2", {"activation_checkpointing": "budget",
+                                                         "activation_memory_budget": 0.2}),
+                           ("budget 0.8", {"activation_checkpointing": "budget",
+                                           "activation_memory_budget": 0.8})):
+        torch._dynamo.reset()
+        with Trainer(_cfg("blocks", steps=3, **training), "cpu", progress=False) as trainer:
+            hooked = [bool(b._forward_pre_hooks or b._forward_hooks) for b in blocks(trainer.model)]
+            assert hooked and not any(hooked)  # no checkpoint hooks: the partitioner decides
+            kept[name] = kept_bytes(trainer, 128)
+            losses[name] = [m.loss for m in _run(trainer)]
+            assert torch._functorch.config.activation_memory_budget == (
+                1.0 if name == "none" else training["activation_memory_budget"])
+    assert kept["budget 0.2"] < kept["budget 0.8"] <= kept["none"], kept
+    assert kept["budget 0.2"] < 0.8 * kept["none"], kept
+    for name in ("budget 0.2", "budget 0.8"):
+        assert losses[name] == pytest.approx(losses["none"], rel=1e-4), (name, losses)
+    with Trainer(_cfg("none", steps=3), "cpu", progress=False):
+        assert torch._functorch.config.activation_memory_budget == 1.0
+
+
+def test_a_memory_budget_is_refused_where_nothing_is_compiled():
+    with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: budget needs compiled"):
+        _cfg("none", activation_checkpointing="budget")
+    with pytest.raises(ConfigError, match=r"training\.activation_memory_budget"):
+        _cfg("blocks", activation_checkpointing="budget", activation_memory_budget=1.5)
+    with pytest.raises(ConfigError, match="which is none on the CPU"):
+        config_from_dict({"job": {"name": "t"}, "cluster": {"device": "cpu"},
+                          "training": {"activation_checkpointing": "budget"}})
+    # cluster.device auto on a machine without a GPU: compile auto is none there, found at build.
+    with pytest.raises(ValueError, match="budget needs compiled blocks or model"):
+        Trainer(_cfg("auto", steps=3, activation_checkpointing="budget"), "cpu", progress=False)
 
 
 # (parallelism, activation checkpointing, compile): each against one eager process. Each is a

@@ -3,9 +3,8 @@ against what autograd actually keeps, and the refusal that names the knob to tur
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
+from saved_tensors import kept_bytes
 
 from longrun.config import config_from_dict
 from longrun.config.memory import (
@@ -16,7 +15,6 @@ from longrun.config.memory import (
     plan_for,
     plan_problem,
 )
-from longrun.data.packing import build_micro_batch
 from longrun.parallel.dims import ParallelDims
 from longrun.trainer import Trainer
 
@@ -39,28 +37,12 @@ def _config(dim, heads, kv, ffn, layers, tokens, tied, **training):
     })
 
 
-def _kept_bytes(trainer: Trainer, tokens: int) -> int:
-    """Bytes autograd keeps from one micro-batch's forward for its backward (distinct storages,
-    parameters excluded), seen through the saved-tensor hooks."""
-    mb = build_micro_batch([np.random.default_rng(0).integers(0, 256, size=tokens)])
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer._summed_token_loss(trainer.model, mb)
-    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    return sum(n for ptr, n in storages.items() if ptr not in params)
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_activation_estimate_matches_what_autograd_keeps(shape, ac):
     cfg = _config(*shape, activation_checkpointing=ac)
     with Trainer(cfg, progress=False) as trainer:
-        measured = _kept_bytes(trainer, shape[5])
+        measured = kept_bytes(trainer, shape[5])
         assert trainer.model.num_params() == parameter_counts(cfg.model)[0]
     estimated = kept_values_per_token(cfg.model, 1, ac) * shape[5] * 4  # fp32 on the CPU
     assert estimated == pytest.approx(measured, rel=0.05), (estimated, measured)
@@ -79,6 +61,12 @@ def test_sharding_divides_the_state_and_checkpointing_the_activations():
                                  cfg.data).activations
                for mode in ("none", "selective", "full")}
     assert by_mode["none"] > by_mode["selective"] > by_mode["full"]
+    # The partitioner's budget runs from what full checkpointing keeps (0) to what none does (1).
+    budgeted = [memory_plan(cfg.model, cfg.dims, cfg.training.model_copy(
+        update={"activation_checkpointing": "budget", "activation_memory_budget": b}), cfg.data).activations
+        for b in (0.01, 0.5, 0.99)]
+    assert by_mode["full"] < budgeted[0] < budgeted[1] < budgeted[2] < by_mode["none"]
+    assert budgeted[1] == pytest.approx((by_mode["full"] + by_mode["none"]) / 2, rel=0.05)
 
 
 def test_a_layout_that_does_not_fit_is_refused_with_the_change_that_fits():
@@ -103,7 +91,7 @@ def test_checkpointed_blocks_keep_only_their_inputs_outside_the_recompute():
     kept = {}
     for mode in ("none", "full", "selective"):
         with Trainer(_config(*shape, activation_checkpointing=mode), progress=False) as trainer:
-            kept[mode] = _kept_bytes(trainer, shape[5])
+            kept[mode] = kept_bytes(trainer, shape[5])
     assert kept["full"] == kept["selective"] < kept["none"] / 3
 
 

@@ -155,9 +155,17 @@ def _min_nodes_reachable(cfg: JobConfig, dims: ParallelDims) -> Problems:
         f"recovery.min_nodes to {fewest} (the fewest nodes this layout can shrink to) or leave it unset")
 
 
-def _whole_model_compile_without_checkpointing(cfg: JobConfig, dims: ParallelDims) -> Problems:
+def _checkpointing_under_compile(cfg: JobConfig, dims: ParallelDims) -> Problems:
     tr = cfg.training
-    if tr.compile == "model" and tr.activation_checkpointing != "none":
+    if tr.activation_checkpointing == "budget" and (
+            tr.compile == "none" or (tr.compile == "auto" and cfg.cluster.device == "cpu")):
+        # The budget is the compiler's partitioner's: an eager model has no graph to partition,
+        # and nothing would be recomputed.
+        yield "training.activation_checkpointing", (
+            f"budget needs compiled blocks or model (training.compile is {tr.compile!r}"
+            f"{', which is none on the CPU' if tr.compile == 'auto' else ''}); set training.compile: "
+            "blocks, or use activation_checkpointing: selective or full")
+    if tr.compile == "model" and tr.activation_checkpointing not in ("none", "budget"):
         # Seen with packed batches of changing length (issue 40's bench, on the CPU): the
         # recompute inside the compiled whole model ran another compiled graph than the forward
         # and torch.utils.checkpoint stopped the step ("Recomputed values ... have different
@@ -255,7 +263,7 @@ CHECKS: tuple[Callable[[JobConfig, ParallelDims], Problems], ...] = (
     _faults_name_real_ranks,
     _min_nodes_reachable,
     _pipeline_runs,
-    _whole_model_compile_without_checkpointing,
+    _checkpointing_under_compile,
     _validation_has_its_data,
 )
 

@@ -21,7 +21,9 @@ The estimate has five parts, per rank:
   (vocab_size per token). Sequence parallelism divides a block's share by tp, except the
   gathered inputs of the column-parallel projections (2 x dim); full checkpointing keeps only
   each block's input plus one block being recomputed; selective keeps the matmul, attention
-  and collective outputs (about 5 x dim + 2 x kv_dim + 2 x ffn_dim).
+  and collective outputs (about 5 x dim + 2 x kv_dim + 2 x ffn_dim); a budget b keeps b of the
+  way from full's to none's, and recomputes the rest of one block at a time (the partitioner's
+  own definition of its budget; its choices are its own, so this is the estimate's shape only).
 - **pipeline stages**: a rank holds its stages' blocks (`parallelism.pp_layers` or the even
   split), the embedding on the first stage and the final norm and output layer on the last;
   its activations are those of its own layers for the micro-batches its schedule keeps in
@@ -59,17 +61,23 @@ def parameter_counts(m: ModelSection) -> tuple[int, int, int]:
     return m.n_layers * block + root, block, root
 
 
-def kept_values_per_token_and_layer(m: ModelSection, tp: int, checkpointing: str) -> float:
+def kept_values_per_token_and_layer(m: ModelSection, tp: int, checkpointing: str,
+                                    budget: float = 1.0) -> float:
     """Values one transformer block keeps from a micro-batch's forward until its backward, per
     token (see the module docstring); what autograd's saved-tensor hooks see outside any
-    checkpointed region."""
+    checkpointed region. Under "budget" the partitioner keeps `budget` of the way from what
+    full checkpointing keeps to what none does (its own definition of the budget)."""
     kv = m.kv_heads * m.head_dim
     gathered = 2 * m.dim * (1 - 1 / tp)  # inputs of the column-parallel projections, all tokens
     if checkpointing == "full":
         return m.dim / tp  # the block's input (sequence-sharded under TP)
     if checkpointing == "selective":
         return (5 * m.dim + 2 * kv + 2 * m.hidden_dim) / tp + gathered
-    return (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + gathered
+    everything = (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + gathered
+    if checkpointing == "budget":
+        least = m.dim / tp
+        return least + budget * (everything - least)
+    return everything
 
 
 def root_values_per_token(m: ModelSection, tp: int) -> float:
@@ -77,23 +85,27 @@ def root_values_per_token(m: ModelSection, tp: int) -> float:
     return m.vocab_size / tp + 3 * m.dim
 
 
-def kept_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
+def kept_values_per_token(m: ModelSection, tp: int, checkpointing: str, budget: float = 1.0) -> float:
     """Values kept from a micro-batch's forward until its backward, per token, by the whole model."""
-    return m.n_layers * kept_values_per_token_and_layer(m, tp, checkpointing) + root_values_per_token(m, tp)
+    return (m.n_layers * kept_values_per_token_and_layer(m, tp, checkpointing, budget)
+            + root_values_per_token(m, tp))
 
 
-def recomputed_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
-    """Under full checkpointing, the one block whose forward backward recomputes at a time."""
-    if checkpointing != "full":
+def recomputed_values_per_token(m: ModelSection, tp: int, checkpointing: str, budget: float = 1.0) -> float:
+    """Under full checkpointing, the one block whose forward backward recomputes at a time;
+    under a budget, the share of it that was not kept."""
+    if checkpointing not in ("full", "budget"):
         return 0.0
     kv = m.kv_heads * m.head_dim
-    return (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + 2 * m.dim * (1 - 1 / tp)
+    block = (9 * m.dim + 2 * kv + 4 * m.hidden_dim) / tp + 2 * m.dim * (1 - 1 / tp)
+    return block if checkpointing == "full" else (1 - budget) * block
 
 
-def activation_values_per_token(m: ModelSection, tp: int, checkpointing: str) -> float:
-    """Peak activation values per token: what is kept, plus under full checkpointing the one
-    block whose forward backward recomputes at a time."""
-    return kept_values_per_token(m, tp, checkpointing) + recomputed_values_per_token(m, tp, checkpointing)
+def activation_values_per_token(m: ModelSection, tp: int, checkpointing: str, budget: float = 1.0) -> float:
+    """Peak activation values per token: what is kept, plus under full checkpointing (or a
+    budget) the one block whose forward backward recomputes at a time."""
+    return (kept_values_per_token(m, tp, checkpointing, budget)
+            + recomputed_values_per_token(m, tp, checkpointing, budget))
 
 
 @dataclass(frozen=True)
@@ -185,9 +197,10 @@ def _plan(m: ModelSection, dims: ParallelDims, training: TrainingSection, data: 
         # Gathered weights in the parameter dtype; a block's full gradients in fp32.
         gathered = (live_blocks * block + root) * compute_bytes / dims.tp + block * 4 / dims.tp
     tokens, ac = data.micro_batch_tokens, training.activation_checkpointing
-    per_token = blocks * kept_values_per_token_and_layer(m, dims.tp, ac) + \
+    budget = training.activation_memory_budget
+    per_token = blocks * kept_values_per_token_and_layer(m, dims.tp, ac, budget) + \
         (root_values_per_token(m, dims.tp) if output else 0.0)
-    per_token = per_token * in_flight + recomputed_values_per_token(m, dims.tp, ac)
+    per_token = per_token * in_flight + recomputed_values_per_token(m, dims.tp, ac, budget)
     activations = tokens * per_token * compute_bytes
     return MemoryPlan(parameters=held * 4, gradients=held * 4, optimizer=held * 8, gathered=gathered,
                       activations=activations, tokens_per_rank=tokens)

@@ -329,10 +329,18 @@ class TrainingSection(Section):
     betas: tuple[Annotated[float, Field(gt=0, lt=1)], Annotated[float, Field(gt=0, lt=1)]] = (0.9, 0.95)
     grad_clip: FiniteNonNegative = Field(1.0, description="Max global grad norm; 0 disables clipping.")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+    activation_checkpointing: Literal["none", "full", "selective", "budget"] = Field(
         "none", description="Per transformer block: none; full (keep only each block's input and "
         "recompute the rest in backward); selective (keep matmul, attention and collective "
-        "outputs, recompute the cheap elementwise work).")
+        "outputs, recompute the cheap elementwise work, chosen op by op as the block runs); budget "
+        "(compiled blocks or model only: the compiler's partitioner keeps what fits in "
+        "activation_memory_budget and recomputes the cheapest of the rest, decided once per graph "
+        "with no per-op cost at run time).")
+    activation_memory_budget: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.5, description="activation_checkpointing: budget: the share of the activations a compiled "
+        "graph may keep, between what full checkpointing keeps (0) and what it keeps without "
+        "checkpointing (1); the partitioner recomputes the ops with the fewest FLOPs per byte first "
+        "(elementwise work before matmuls).")
     compile: Literal["auto", "none", "blocks", "model"] = Field(
         "auto", description="torch.compile: none (eager); blocks (each transformer block compiled on "
         "its own, attention left eager: torchtitan's regional compilation, composed with TP, FSDP, PP "

@@ -28,7 +28,8 @@ before it:
    accept a `context_parallel=` layout, which it always does. Nothing to apply here.
 3. Activation checkpointing (`activation_checkpointing.py`) hooks each transformer block; it
    must see the TP-sharded blocks (so the recompute is sharded too) and sit inside FSDP, whose
-   units are the same blocks.
+   units are the same blocks. `budget` hooks nothing: it sets the memory budget by which step
+   4's graphs are partitioned (and is refused where nothing is compiled).
 4. `torch.compile` (`compile.py`, training.compile): each block (or the whole model) compiled
    in place, after checkpointing, so the recompute is compiled too (the checkpoint hooks run
    around the compiled forward), and after TP, so the graphs see the DTensor weights; before
@@ -118,9 +119,11 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, training: TrainingSe
         apply_tensor_parallel(model, mesh["tp"])
     # Step 2: context parallelism lives in the data path and the attention layout: nothing here.
     # Step 3: activation checkpointing.
-    apply_activation_checkpointing(model, training.activation_checkpointing)
+    compile_mode = resolved_mode(training.compile, device)
+    apply_activation_checkpointing(model, training.activation_checkpointing,
+                                   budget=training.activation_memory_budget, compiled=compile_mode != "none")
     # Step 4: compile.
-    apply_compile(model, resolved_mode(training.compile, device))
+    apply_compile(model, compile_mode)
     # Step 5: gradient synchronisation, and memory for this rank's pieces.
     if pipe is not None:
         _sync_stages(pipe, dims, training, span_group=span_group, mesh=mesh, device=device)
