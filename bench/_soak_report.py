@@ -108,6 +108,7 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
         # preemption that saved its step): nothing was restored, so nothing was redone.
         ledger = max(lost) if lost else (0 if hit else None)
         since = struck(fault)
+        every = interval_in_force(memory_intervals, fault.attempt, since)
         outside = (steps_lost_outside(fault.reported, fault.attempt, since, until, list(restores))
                    if hit else None)
         # The struck attempt may finish steps after the blow (a removed node's processes train on
@@ -128,9 +129,8 @@ def fault_outcomes(injected, goodput: dict[str, Any] | None, *, steps_done: int,
             # fewer than the soak saw finished before the blow.
             "steps_lost_agree": None if ledger is None or outside is None or outside_end is None
             else abs(ledger - outside_end) <= 1 and outside <= ledger + 1,
-            "snapshot_interval": interval_in_force(memory_intervals, fault.attempt, since),
-            "steps_lost_bound": steps_lost_bound(fault.kind, interval,
-                                                 interval_in_force(memory_intervals, fault.attempt, since)),
+            "snapshot_interval": every,
+            "steps_lost_bound": steps_lost_bound(fault.kind, interval, every),
             "corrupted_step": fault.corrupted,
             "corruption_detected": corruption_detected(fault, mine, log_text),
         })
