@@ -5,6 +5,7 @@ restore can use)."""
 
 from __future__ import annotations
 
+import random
 import threading
 from types import SimpleNamespace
 
@@ -51,6 +52,47 @@ def test_the_interval_follows_the_median_step_and_the_recent_sends():
     assert proposals == [5, 5, 5, 1]
 
 
+def test_a_shorter_interval_waits_for_the_dead_band_a_longer_one_does_not():
+    auto = AutoInterval()
+    for _ in range(8):
+        auto.observe_step(1.0)
+    auto.observe_send(4.0)
+    assert auto.proposal(current=1) == 5  # slower sends: up at once
+    for _ in range(4):
+        auto.observe_send(0.2)
+    assert auto.proposal() == 1  # without a current interval, the plain rule
+    for _ in range(7):
+        auto.observe_send(0.2)
+        assert auto.proposal(current=5) == 5  # the slow send is still among the last 12: kept
+    auto.observe_send(0.2)
+    assert auto.proposal(current=5) == 1  # past it, down to what the sends call for
+    for _ in range(12):
+        auto.observe_send(1.5)  # 1.5 x 1.25 fits 2 steps, but not with the dead band's 1.25 more
+    assert auto.proposal() == 2 and auto.proposal(current=3) == 3
+    assert auto.proposal(current=2) == 2 and auto.proposal(current=1) == 2
+
+
+def test_sends_that_straddle_a_boundary_do_not_flip_the_interval_at_every_snapshot():
+    """The hour soak's sends (1.8-3.4 s against 2.1 s steps) sit on the boundary between 2 and
+    3: the plain rule flips with every slow send entering or leaving the last four."""
+    rng = random.Random(2911)
+
+    def changes(dead_band: bool) -> list[int]:
+        auto, every, chosen = AutoInterval(), None, []
+        for _ in range(300):
+            auto.observe_step(rng.uniform(2.0, 2.2))
+            auto.observe_send(rng.uniform(1.8, 3.4))
+            proposal = auto.proposal(every if dead_band else None)
+            if proposal != every:
+                every = proposal
+                chosen.append(every)
+        return chosen
+
+    plain, banded = changes(dead_band=False), changes(dead_band=True)
+    assert len(plain) > 20 and set(plain) == {2, 3}
+    assert banded[-1] == 3 and len(banded) <= 3  # up to the longer value, and kept there
+
+
 def test_auto_measures_the_first_send_then_keeps_the_interval_it_calls_for():
     """Snapshots start every step; a step that finds the first send running skips without a
     count (no interval to keep yet); once it is measured, the interval is chosen and reported."""
@@ -78,6 +120,11 @@ def test_auto_measures_the_first_send_then_keeps_the_interval_it_calls_for():
     snaps.wait()
     assert chosen == [4] and snaps.every == 4  # ceil(2.1 x 1.25 / 0.8)
     assert [s for s in range(5, 13) if snaps.due(s)] == [8, 12]
+    for step in (8, 12, 16, 20):  # instant sends: the slow one leaves the last four, not the last 12
+        trainer.step = step
+        assert snaps.take(trainer)
+        snaps.wait()
+    assert chosen == [4]  # the dead band holds the job's interval
 
 
 class Ranks:

@@ -147,7 +147,9 @@ class MemorySnapshots:
                             "spare per rank; storage checkpoints go on", HOST_COPIES_PER_RANK - 1,
                             plan.nbytes / 1e9, plan.whole_bytes / 1e9, self.host_bytes(plan) / 1e9,
                             self.budget / 1e9)
-        code, proposal = self.agree([mine, self.auto.proposal() if self.auto else 0])
+        # the job's interval now, so a shorter one waits for the dead band
+        proposal = self.auto.proposal(self.every if self.decided else None) if self.auto else 0
+        code, proposal = self.agree([mine, proposal])
         if proposal:
             self._set_interval(proposal)
         if code == OFF:
