@@ -1,6 +1,6 @@
 """Simulated multi-node Ray clusters for the controller tests (one process tree, loopback), the
-weights a job on one committed, a controller run in a thread, and its workers signalled from
-outside."""
+weights a job on one committed, a controller run in a thread, its workers signalled from
+outside, and what a command left running."""
 
 from __future__ import annotations
 
@@ -75,14 +75,19 @@ def wait_for(redis_client, job: str, *, step: int | None = None, state: str | No
 
 
 def training_workers() -> list[psutil.Process]:
-    """Worker processes now training (Ray titles them after the task they run), newest first:
-    the current job's, not the last job's still exiting."""
+    """This test's worker processes now training (Ray titles them after the task they run),
+    newest first: the current job's, not the last job's still exiting. Only this process's
+    descendants (its Ray cluster's raylets start them): a test on another worker of the suite
+    runs a job of its own at the same time, whose workers are not this test's to signal."""
     found = []
-    for p in psutil.process_iter(["cmdline", "create_time"]):
-        cmdline = p.info["cmdline"] or []
-        if cmdline and cmdline[0].startswith("ray::TrainWorker.run") and p.is_running():
-            found.append(p)
-    return sorted(found, key=lambda p: p.info["create_time"], reverse=True)
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = p.cmdline()
+            if cmdline and cmdline[0].startswith("ray::TrainWorker.run") and p.is_running():
+                found.append((p.create_time(), p))
+        except psutil.NoSuchProcess:
+            continue
+    return [p for _, p in sorted(found, key=lambda found: found[0], reverse=True)]
 
 
 def signal_a_worker(sig: int) -> psutil.Process:
@@ -91,3 +96,22 @@ def signal_a_worker(sig: int) -> psutil.Process:
             victim.send_signal(sig)
             return victim
     raise AssertionError("no training worker to signal")
+
+
+MARK = "LONGRUN_TEST_MARK"
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Processes whose environment has MARK=`mark`: what a command run with it started and left
+    behind (its servers inherit its environment). Not every Ray or Redis on the machine: a test
+    on another worker of the suite starts and stops its own meanwhile."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found

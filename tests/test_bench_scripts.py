@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,20 @@ def test_mfu_benchmark_dry_run_takes_a_compiled_memory_budget():
     assert (config["compile"], config["activation_checkpointing"], config["activation_memory_budget"]) == (
         "blocks", "budget", 0.3)
     assert result["tokens_per_s"] > 0 and result["recompiles"] is not None
+
+
+@pytest.mark.slow  # every command of the GPU session on the CPU: about 75 s on two cores
+def test_the_prepared_gpu_session_runs_every_command_and_keeps_each_result(tmp_path):
+    out = subprocess.run([str(BENCH / "gpu_session.sh")], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "GPU_SESSION_DRY": "1", "OUT": str(tmp_path),
+                              "SESSION_BUDGET_S": "1800"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    steps = [line for line in out.stdout.splitlines() if line.startswith("[gpu] ") and " rc=" in line]
+    names = [line.split()[1] for line in steps]
+    assert names == ["mfu-blocks", "mfu-blocks-16k", "mfu-ac-full", "mfu-ac-budget-0.5", "mfu-ac-selective",
+                     "mfu-ac-budget-0.3", "checkpoint", "cp-kernel"], out.stdout
+    assert all(" rc=0 " in line for line in steps), out.stdout
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
+    assert results["mfu-ac-budget-0.3"]["config"]["activation_memory_budget"] == 0.3
+    assert results["mfu-ac-full"]["config"]["activation_checkpointing"] == "full"
+    assert results["checkpoint"]["state_gb"] > 0 and results["cp-kernel"]["rows"]

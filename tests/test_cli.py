@@ -6,11 +6,11 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 
 import pytest
 import yaml
-
-from longrun.services.process import pids_mentioning
+from clusters import MARK, marked_processes
 
 
 def longrun(*args, cwd=None, env=None, timeout=240):
@@ -57,16 +57,12 @@ def test_doctor_passes_here_and_explains_what_is_missing():
     assert "missing or broken" in out.stdout
 
 
-def _service_processes() -> set[int]:
-    return set(pids_mentioning("lr-ray-")) | set(pids_mentioning("longrun-redis-"))
-
-
 def test_run_trains_the_tiny_job_end_to_end(repo_root, tmp_path):
-    before = _service_processes()
+    mark = uuid.uuid4().hex
     common = ("--set", f"job.output_dir={tmp_path}", "--set", "training.warmup_steps=2",
               "--set", "checkpoint.interval_steps=5")
     out = longrun("run", repo_root / "examples" / "tiny.yaml", *common, "--set", "training.steps=12",
-                  cwd=tmp_path)
+                  cwd=tmp_path, env={**os.environ, MARK: mark})
     log = out.stdout + out.stderr
     assert out.returncode == 0, log
     assert "state SUCCEEDED" in log and "done: 12 steps" in log
@@ -75,7 +71,7 @@ def test_run_trains_the_tiny_job_end_to_end(repo_root, tmp_path):
     assert losses[-1] < losses[0] - 0.5, losses  # it learns
     resolved = yaml.safe_load((tmp_path / "tiny" / "config.yaml").read_text())
     assert resolved["training"]["steps"] == 12
-    assert _service_processes() <= before  # embedded Redis and Ray are gone
+    assert marked_processes(mark) == []  # embedded Redis and Ray are gone
     # Checkpoints at 5, 10 and the last step; keep_last 2 in tiny.yaml.
     checkpoints = tmp_path / "tiny" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-00000010", "step-00000012"]

@@ -16,9 +16,11 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 
 import pytest
 import yaml
+from clusters import MARK, marked_processes
 from controller_fakes import make_rig
 from test_token_training import random_docs, write_prepared
 
@@ -27,7 +29,6 @@ from longrun.checkpoint.layout import MANIFEST, step_dir_name
 from longrun.config import load_config
 from longrun.controller.precheck import checkpoint_problem
 from longrun.controller.state import JobState
-from longrun.services.process import pids_mentioning
 from longrun.trainer import Trainer, lr_schedule
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -71,14 +72,10 @@ def _attempt(cfg, *, steps: int):
         return (restored.step if restored else None), trainer.step, seen, dict(trainer.feed.state)
 
 
-def longrun(*args) -> subprocess.CompletedProcess:
+def longrun(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The command line, run as a user would: a separate process."""
     return subprocess.run([sys.executable, "-m", "longrun.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "COLUMNS": "250"})
-
-
-def _services() -> set[int]:
-    return set(pids_mentioning("lr-ray-")) | set(pids_mentioning("longrun-redis-"))
+                          text=True, timeout=240, env={**os.environ, "COLUMNS": "250", **(env or {})})
 
 
 def _changed(shards_b) -> list[str]:
@@ -95,8 +92,8 @@ def test_a_resume_under_other_data_tokenizer_and_seed_is_refused_naming_each_bef
     path, shards_a, shards_b = job
     run_dir = tmp_path / "runs" / "door8"
     (run_dir / "config.yaml").write_text(load_config(path).to_yaml())  # as the first `run` left it
-    before, services = _files(run_dir), _services()
-    out = longrun("run", path, *_changed(shards_b))
+    before, mark = _files(run_dir), uuid.uuid4().hex
+    out = longrun("run", path, *_changed(shards_b), env={MARK: mark})
     err = out.stderr
     assert out.returncode == 1, err
     assert f"cannot resume from {run_dir}/checkpoints/{step_dir_name(4)}" in err
@@ -111,7 +108,7 @@ def test_a_resume_under_other_data_tokenizer_and_seed_is_refused_naming_each_bef
     # Refused before any service started, and nothing written: the run directory still
     # describes the checkpoints it holds.
     assert "redis:" not in err and "ray:" not in err and "Traceback" not in err
-    assert _files(run_dir) == before and _services() <= services
+    assert _files(run_dir) == before and marked_processes(mark) == []
     # Accepting some of them is not accepting all: the others are still named.
     out = longrun("run", path, *_changed(shards_b), "--set", "checkpoint.accept_changes=[data]")
     err = out.stderr
