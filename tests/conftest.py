@@ -10,6 +10,10 @@ from longrun.services import EmbeddedRedis
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ranks of the tests' gloo worlds fork from one server that imported torch and the training stack
+# once, instead of spawning an interpreter that imports them (about 2 CPU-seconds a rank, several
+# hundred ranks a suite): longrun/testing/worlds.py. Inherited by the bench scripts tests run.
+os.environ.setdefault("LONGRUN_WORLD_START", "forkserver")
 # A test's own `ray.init()` must not write ~/.ray/auth_token: with it there, Ray turns token auth on
 # for every later head on this machine (services/ray_head.py).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

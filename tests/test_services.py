@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import redis
 
-from longrun.services import EmbeddedRay, EmbeddedRedis, ServiceError
+from longrun.services import EmbeddedRay, EmbeddedRedis, ServiceError, ports
 from longrun.services.process import kill_until_gone, pids_in_session
 
 
@@ -26,6 +26,23 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_ports_are_chosen_outside_the_kernels_ephemeral_range_and_bind(monkeypatch):
+    low, _ = ports.ephemeral_range()
+    chosen = ports.free_ports(8)
+    assert len(set(chosen)) == 8
+    assert all(ports.LOWEST <= port < low for port in chosen), (chosen, low)  # not where bind(0) lands
+    for port in chosen:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:  # one in use is passed over
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr(ports, "_candidates", lambda: [taken, chosen[0]])
+        assert ports.free_ports(1) == [chosen[0]]
+        assert len(ports.free_ports(3)) == 3  # past the candidates: the kernel's choice
 
 
 def test_redis_answers_with_password_and_refuses_without():

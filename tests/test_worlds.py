@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import worlds_workers as w
 
-from longrun.testing.worlds import RankDied, World, WorldError, WorldTimeout
+from longrun.testing.worlds import RankDied, World, WorldError, WorldTimeout, start_context
 
 # A bound on a hang, not a performance claim: every test passes a long timeout and must return
 # well inside it; the old shared-queue harness waited the whole timeout out.
@@ -115,3 +119,54 @@ def test_leaving_the_world_on_an_error_kills_every_member(tmp_path):
         raise KeyError("the caller fails")
     assert all(_gone(pid) for pid in pids)
     assert not os.path.exists(init_dir)
+
+
+# A parent that starts a world of two ranks that hold, prints their pids, then waits to be killed.
+PARENT = """
+import sys, threading
+import worlds_workers as w
+from longrun.testing.worlds import World
+world = World(w.hold, 2, start_method=sys.argv[1])
+world.start()
+print(" ".join(str(pid) for _, _, pid in world.collect(2, timeout=120)), flush=True)
+threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_die_with_a_parent_that_was_sigkilled(method, tmp_path):
+    """Under a forkserver a rank's parent process is the server, not the caller: it still dies
+    with the caller (the server exits once the caller is gone, and takes its children)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, method], stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": tests})
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        assert all(not _gone(pid) for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait(TIMEOUT)
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(TIMEOUT)  # returns once it is gone (or raises: already gone)
+        assert _gone(pid), pid
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_rank_starts_with_the_callers_environment_and_directory_of_the_moment(method, tmp_path,
+                                                                               monkeypatch):
+    with World(w.report, 1, tmp_path, start_method=method) as world:  # the server, if any, starts here
+        world.run()
+    monkeypatch.setenv("LONGRUN_WORLD_PROBE", "set-after-the-server-started")
+    monkeypatch.chdir(tmp_path)
+    with World(w.environment, 2, tmp_path, args=("LONGRUN_WORLD_PROBE",), start_method=method) as world:
+        out = world.run(timeout=TIMEOUT)
+    probe = "set-after-the-server-started"
+    assert sorted(r[:3] for r in out) == [(r, probe, str(tmp_path)) for r in range(2)]
+    assert len({r[3] for r in out} | {os.getpid()}) == 3  # a process of its own per rank
+
+
+def test_a_start_method_that_would_fork_the_caller_is_refused():
+    with pytest.raises(ValueError, match="LONGRUN_WORLD_START='fork': use one of spawn, forkserver"):
+        start_context("fork")

@@ -49,3 +49,8 @@ def report_when_released(rank, world, init_file, results, release_file):
     while not Path(release_file).exists():
         time.sleep(0.01)  # polling for the parent's signal, not standing in for it
     results.put((rank, "released", os.getpid()))
+
+
+def environment(rank, world, init_file, results, name):
+    """Report the value of environment variable `name` in this rank, and where it runs."""
+    results.put((rank, os.environ.get(name), os.getcwd(), os.getpid()))

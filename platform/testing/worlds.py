@@ -16,6 +16,15 @@ unplanned is reported at once, by rank and exit code, instead of after the timeo
 target raises is reported with its traceback. Leaving the `with` block, or `close()`, kills every
 rank still running, on error too; a rank also dies with its parent if the parent is SIGKILLed.
 Torch-free: targets import what they need.
+
+How ranks start (`LONGRUN_WORLD_START`, read when this module is imported): `spawn` by default,
+a fresh interpreter per rank, which spends about 2 CPU-seconds importing torch and the training
+stack before the target runs. `forkserver` (the test suite sets it: tests/conftest.py) forks each
+rank from one server process that imported them once (`FORKSERVER_PRELOAD`), so a rank starts in
+milliseconds; like spawn it carries the caller's sys.path, working directory and main module to
+the rank, and `_rank_main` gives it the caller's environment of the moment too (the server's is
+the one it started with). A variable read while those modules are imported takes the server's
+value: set such variables before the first world starts.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -38,10 +48,28 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-# Spawned, not forked: a fork would copy the parent's threads and torch/gloo state. Objects
-# handed to targets (a Barrier, say) must come from this context too.
-CONTEXT = mp.get_context("spawn")
+START_ENV = "LONGRUN_WORLD_START"
+START_METHODS = ("spawn", "forkserver")
+# What a forkserver imports once for every rank it forks (an import that fails is skipped).
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "numpy", "longrun.trainer.model",
+                      "longrun.parallel.parallelize", "longrun.checkpoint.checkpointer")
 REAP_S = 30.0  # how long a SIGKILLed process may take to be reaped
+
+
+def start_context(method: str | None = None) -> mp.context.BaseContext:
+    """The multiprocessing context ranks start in: `method`, else $LONGRUN_WORLD_START, else
+    spawn. Never a plain fork: it would copy the caller's threads and torch/gloo state."""
+    method = method or os.environ.get(START_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"{START_ENV}={method!r}: use one of {', '.join(START_METHODS)}")
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return context
+
+
+# Objects handed to targets (a Barrier, say) must come from this context too.
+CONTEXT = start_context()
 
 
 class WorldError(RuntimeError):
@@ -87,19 +115,53 @@ class _Crash:
     traceback: str
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process took the number: ours is gone
+        return False
+    return True
+
+
 def _die_with_parent(parent: int) -> None:
     """A rank must not outlive a parent that was SIGKILLed (its cleanup never ran). Linux's
-    parent-death signal fires when the thread that spawned the rank ends."""
+    parent-death signal fires when the thread that forked the rank ends. Under a forkserver that
+    is the server's, which outlives the parent while any rank lives (every rank holds the pipe
+    whose end tells it the parent is gone): there a thread waits for the parent itself."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    if os.getppid() == parent:
+        return
+    if not _alive(parent):  # it died before anything was armed
         os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), name="longrun-world-parent",
+                     daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    """SIGKILL this process once `parent` has exited (a pidfd turns readable; else a poll)."""
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        fd = -1  # already gone
+    except (OSError, AttributeError):  # no pidfd here: look every second
+        while _alive(parent):
+            time.sleep(1.0)
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rank_main(target: Callable, rank: int, size: int, init_file: str, conn: Connection,
-               args: tuple, parent: int) -> None:
+               args: tuple, parent: int, environ: dict[str, str]) -> None:
     _die_with_parent(parent)
+    if os.environ != environ:  # a forkserver's child: the caller's environment, not the server's
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         target(rank, size, init_file, Results(conn), *args)
     except Exception:
@@ -132,8 +194,10 @@ class World:
     """`size` ranks of `target(rank, size, init_file, results, *args)`, each in its own process."""
 
     def __init__(self, target: Callable, size: int, workdir: str | os.PathLike | None = None,
-                 args: tuple = (), timeout: float = 600.0):
+                 args: tuple = (), timeout: float = 600.0, start_method: str | None = None):
+        """`start_method`: spawn or forkserver (default: this module's CONTEXT, see above)."""
         self.target, self.size, self.args, self.timeout = target, size, tuple(args), timeout
+        self.context = CONTEXT if start_method is None else start_context(start_method)
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="longrun-world-")
         self.init_file = str(Path(workdir if workdir is not None else self._tmp.name) / "init")
         self._members: list[_Member] = []
@@ -161,11 +225,11 @@ class World:
             old = self._current(rank)
             if old is not None and old.exitcode is None and not old.killed:
                 raise WorldError(f"rank {rank} is still running: kill it before starting a replacement")
-            reader, writer = CONTEXT.Pipe(duplex=False)
-            process = CONTEXT.Process(
+            reader, writer = self.context.Pipe(duplex=False)
+            process = self.context.Process(
                 target=_rank_main, name=f"rank-{rank}",
                 args=(target or self.target, rank, self.size, self.init_file, writer,
-                      self.args if args is None else tuple(args), os.getpid()))
+                      self.args if args is None else tuple(args), os.getpid(), dict(os.environ)))
             try:
                 process.start()
             finally:
