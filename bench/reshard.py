@@ -323,15 +323,17 @@ def restore_main(rank: int, world: int, init_file: str, results, args, root: str
 
 def restore_rank(rank: int, world: int, init_file: str, args, root: str, step: int) -> dict[str, Any]:
     dist = join(rank, world, init_file)
+    import fsspec
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from longrun.checkpoint import Checkpointer, LocalCommitLedger
-    from longrun.checkpoint.layout import step_dir_name
+    from longrun.checkpoint.layout import step_dir as committed_step_dir
 
     ckpt_root, dcp_dir = f"{root}/longrun", f"{root}/dcp/sync"
-    step_dir = f"{ckpt_root}/{step_dir_name(step)}"
+    # Every rep saved the same step: the committed one is its newest revision (step-N.R), not step-N.
+    step_dir = committed_step_dir(fsspec.filesystem("file"), ckpt_root, step)
     cfg, trainer, replicas = build(args, {"fsdp": world}, rank, world, ckpt_root)
     trainer.close()
     # This world only restores: the ledger, which commits saves, is never used.

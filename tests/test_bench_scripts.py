@@ -169,6 +169,12 @@ def test_the_placement_scale_bench_places_starts_fits_and_cleans_up():
     assert not left, left
 
 
+def _ratio_of_rounded(ratio: float, theirs: float, ours: float, half: float = 0.0005) -> bool:
+    """`ratio` (rounded to 0.001) is theirs / ours of the unrounded times, which the bench rounds
+    to 1 ms: at a few milliseconds each, that rounding alone moves the ratio by several percent."""
+    return (theirs - half) / (ours + half) - half <= ratio <= (theirs + half) / (ours - half) + half
+
+
 @pytest.mark.slow  # two simulated worlds per kind, spawned: about a minute on 2 cores
 def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_ratio():
     # bench/group_init.py's store and reform-store measurements at 64 simulated ranks, one rep.
@@ -178,7 +184,7 @@ def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_rat
     result = json.loads(out.stdout.strip().splitlines()[-1])
     store = result["store"]
     assert store["ranks"] == 64 and store["redis_s"] > 0 and store["tcpstore_s"] > 0
-    assert store["ratio"] == pytest.approx(store["tcpstore_s"] / store["redis_s"], rel=0.01)
+    assert _ratio_of_rounded(store["ratio"], store["tcpstore_s"], store["redis_s"])
     # Each baseline is named by the torch function whose store traffic it reproduces, and does
     # what that function does: split_group adds no key per group, new_group one id per distinct
     # group (the same groups longrun would key were they not split), its local barrier the same.
@@ -190,17 +196,18 @@ def test_the_group_init_store_bench_issues_longruns_protocol_and_reports_the_rat
     assert "TORCH_DIST_INIT_BARRIER=1" in store["barrier_local"]["baseline"]
     assert store["world_barrier_round_trips"] == 3 * 64 * store["world_groups"] > 0
     assert result["torch_dist_init_barrier"] == "0"
-    # The real count-in: per rank one script and one XREAD, plus torch's world id (one set, a
-    # read per rank); nothing per group. (On the fresh server each script's first EVALSHA is
+    # The real count-in: per rank one script and one XREAD, plus torch's world id (one set, at
+    # most a read per rank: one the store answers from an earlier XREAD's read-ahead costs none,
+    # 127 of 128 in one run); nothing per group. (On the fresh server each script's first EVALSHA is
     # refused, NOSCRIPT, and sent again after one SCRIPT LOAD.)
     commands = store["where"]["redis"]["commands"]
     loads = commands.get("script|load", {"calls": 0})["calls"]
-    assert commands["evalsha"]["calls"] - loads == 64 + 1 and commands["xread"]["calls"] == 2 * 64
+    assert commands["evalsha"]["calls"] - loads == 64 + 1 and 64 < commands["xread"]["calls"] <= 2 * 64
     reform = result["reform_store"]
     assert reform["ranks"] == 64 and reform["rekey_s"] > 0 and reform["tcpstore_s"] > 0
     assert reform["baseline"] == store["baseline"]
-    assert reform["split_group"]["ratio"] == pytest.approx(
-        reform["split_group"]["tcpstore_s"] / reform["redis_s"], rel=0.01)
+    assert _ratio_of_rounded(reform["split_group"]["ratio"], reform["split_group"]["tcpstore_s"],
+                             reform["redis_s"])
     assert reform["redis_s"] == pytest.approx(reform["delete_old_attempt_s"] + reform["rekey_s"], abs=0.002)
 
 
