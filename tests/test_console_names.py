@@ -111,28 +111,37 @@ def test_the_hook_keeps_rays_death_paragraph_and_prints_everything_else(monkeypa
 def test_rays_error_thread_hands_a_death_over_and_prints_the_rest():
     """Through a real driver: errors published to it as the raylet does, read by Ray's own
     error thread. Published in order (one channel: delivered in order), so once the death is
-    taken the message before it has been printed."""
+    taken the message before it has been printed. The thread subscribes some time after
+    `ray.init` returns, and what is published before it has is never delivered: a death of
+    another pid is published until one is taken, and only then the two messages."""
     code = textwrap.dedent(f"""
         import time, ray
         from ray._private.utils import publish_error_to_driver
         from longrun.controller.ray_deaths import WorkerDeaths
+
+        def take_until(pid, probe=None):  # every death taken until one of pid is
+            deadline, taken = time.monotonic() + 60, []
+            while time.monotonic() < deadline and pid not in {{d.pid for d in taken}}:
+                if probe is not None:
+                    publish_error_to_driver("worker_died", probe, gcs, job)
+                taken += deaths.take()
+                time.sleep(0.05)  # until Ray's error thread has read it
+            return taken
+
         with WorkerDeaths() as deaths:
             ray.init(num_cpus=1, include_dashboard=False, logging_level="error", log_to_driver=False)
             job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
             gcs = ray._private.worker.global_worker.gcs_client
+            subscribed = take_until(4199, probe={RAY_DEATH.replace("PID: 4101", "PID: 4199")!r})
             publish_error_to_driver("resources", "Resource usage is high", gcs, job)
             publish_error_to_driver("worker_died", {RAY_DEATH!r}, gcs, job)
-            deadline, taken = time.monotonic() + 60, []
-            while not taken and time.monotonic() < deadline:
-                taken = deaths.take()
-                if not taken:
-                    time.sleep(0.05)  # until Ray's error thread has read it
+            taken = [d for d in take_until(4101) if d.pid != 4199]  # late probes are not news
             ray.shutdown()
-        print("taken", [d.pid for d in taken])
+        print("subscribed", bool(subscribed), "taken", [d.pid for d in taken])
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                           env=os.environ | {"RAY_COLOR_PREFIX": "0"})
-    assert "taken [4101]" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "subscribed True taken [4101]" in done.stdout, done.stdout + done.stderr[-2000:]
     assert "(raylet) Resource usage is high" in done.stdout, done.stdout
     assert "A worker died" not in done.stdout + done.stderr
 
